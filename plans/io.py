@@ -1,0 +1,75 @@
+"""Reading and writing plans as JSON or YAML, refusing other versions by name.
+
+>>> text = dump_plan(plan, "json")          # doctest: +SKIP
+>>> load_plan_text(text, "json") == plan     # doctest: +SKIP
+True
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import ValidationError
+
+from plans.errors import PlanFileError
+from plans.plan import PLAN_VERSION, Plan
+
+Format = Literal["json", "yaml"]
+
+
+def dump_plan(plan: Plan, fmt: Format = "json") -> str:
+    """The plan as text. JSON is stable (sorted keys) so scripts and diffs can rely on it."""
+    data = plan.model_dump(mode="json")
+    if fmt == "json":
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+    return yaml.safe_dump(data, sort_keys=True, width=100)
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    path = Path(path)
+    fmt: Format = "yaml" if path.suffix in (".yaml", ".yml") else "json"
+    path.write_text(dump_plan(plan, fmt))
+
+
+def load_plan_text(text: str, fmt: Format, source: str = "<text>") -> Plan:
+    try:
+        data = json.loads(text) if fmt == "json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raise PlanFileError(f"{source}: not valid {fmt.upper()}: {err}") from None
+    return plan_from_dict(data, source)
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan file (``.json``, ``.yaml`` or ``.yml``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise PlanFileError(f"{path}: no such plan file")
+    fmt: Format = "yaml" if path.suffix in (".yaml", ".yml") else "json"
+    return load_plan_text(path.read_text(), fmt, str(path))
+
+
+def plan_from_dict(data: Any, source: str = "<plan>") -> Plan:
+    if not isinstance(data, dict):
+        raise PlanFileError(f"{source}: a plan file holds a mapping, found {type(data).__name__}")
+    version = data.get("version")
+    if version != PLAN_VERSION:
+        raise PlanFileError(
+            f"{source}: plan version {version!r}, but this autopar reads version "
+            f"{PLAN_VERSION}; re-plan the model with this version"
+        )
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as err:
+        raise PlanFileError(f"{source}: not a valid plan:\n{describe_validation_error(err)}") from None
+
+
+def describe_validation_error(err: ValidationError) -> str:
+    """One line per problem, naming the field by its path (``estimate.mfu: Field required``)."""
+    lines = []
+    for problem in err.errors():
+        where = ".".join(str(part) for part in problem["loc"]) or "(top level)"
+        lines.append(f"  {where}: {problem['msg']}")
+    return "\n".join(lines)

@@ -1,0 +1,165 @@
+"""``Plan``: what autopar decided for one model on one mesh, and what it should cost.
+
+The plan is the contract between the planner (``passes``) and everything that reads a
+decision: the lowering, the runtime, the CLI, a user's diff in code review. It is versioned;
+a file from another version is refused with a message rather than misread (``plans.io``).
+
+Layouts use DTensor's placements (one per mesh axis, see ``plans.placement``); the CLI shows
+them in the JAX spelling as well.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from plans.mesh import MeshSpec
+from plans.placement import Layout
+
+PLAN_VERSION = 1
+
+Schedule = Literal["none", "gpipe", "1f1b", "interleaved"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Parallelism(_Frozen):
+    """The degrees of each kind of parallelism the plan uses (1: not used)."""
+
+    dp: int = Field(1, ge=1, description="Data-parallel degree (batch split).")
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree (weights split within an op).")
+    pp: int = Field(1, ge=1, description="Pipeline stages.")
+    sp: int = Field(1, ge=1, description="Sequence-parallel degree between tensor-parallel ops.")
+    ep: int = Field(1, ge=1, description="Expert-parallel degree (experts split).")
+    zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 optimizer, 2 +grads, 3 +params.")
+    microbatches: int = Field(1, ge=1)
+    schedule: Schedule = "none"
+
+
+class MemoryBreakdown(_Frozen):
+    """Bytes per device at the peak of a training step."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    total: float = 0.0
+
+
+class StageEstimate(_Frozen):
+    """Per pipeline stage: compute time of one microbatch and memory per device."""
+
+    stage: int
+    forward_s: float
+    backward_s: float
+    memory_per_device_bytes: MemoryBreakdown
+
+
+class Estimate(_Frozen):
+    """What the cost model predicts for one training step (one optimizer update)."""
+
+    step_time_s: float
+    flops_per_step: float = Field(description="Model FLOPs per step (fwd + bwd, no recompute).")
+    mfu: float = Field(description="flops_per_step / (step_time_s x peak x devices).")
+    comm_bytes_per_step: float = Field(description="Bytes each device sends per step.")
+    memory_per_device_bytes: MemoryBreakdown
+    compute_s: float = 0.0
+    exposed_comm_s: float = 0.0
+    bubble_s: float = 0.0
+    recompute_s: float = 0.0
+    stages: tuple[StageEstimate, ...] = ()
+
+
+class ParamPlan(_Frozen):
+    """How one parameter, its gradient and its optimizer state lie on the mesh.
+
+    ZeRO falls out of these three: stage 1 shards ``optimizer``, stage 2 also ``grad``,
+    stage 3 (FSDP) also ``param``.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    param: Layout
+    grad: Layout
+    optimizer: Layout
+    aliases: tuple[str, ...] = Field((), description="Other names of a tied parameter.")
+    stage: int = 0
+
+
+class OpPlan(_Frozen):
+    """The strategy chosen for one op of the traced graph."""
+
+    op: str = Field(description="The ATen op, such as 'aten.linear.default'.")
+    strategy: str = Field(description="Name of the chosen strategy, such as 'S(0)xR->S(0)'.")
+    output: Layout
+    inputs: tuple[Layout | None, ...] = Field(description="Required layout per tensor input.")
+    module: str = ""
+    layer: int | None = None
+
+
+class Stage(_Frozen):
+    """One pipeline stage: the layers it runs and the devices that run it."""
+
+    index: int
+    layers: tuple[int, int] = Field(description="First and last layer index, inclusive.")
+    modules: tuple[str, ...] = ()
+    ranks: tuple[int, ...] = ()
+
+
+class RecomputeRegion(_Frozen):
+    """A region whose activations are recomputed in backward instead of stored."""
+
+    name: str
+    kind: Literal["full", "selective"]
+    modules: tuple[str, ...] = ()
+    saved_bytes: float = Field(0.0, description="Activation bytes per device it frees.")
+    recompute_s: float = Field(0.0, description="Forward time it adds per step.")
+
+
+class SolverReport(_Frozen):
+    """How the ILP went: never hidden, so a time-out or a gap is visible to the user."""
+
+    backend: str = "none"
+    status: str = "not solved"
+    time_s: float = 0.0
+    time_limit_s: float | None = None
+    variables: int = 0
+    constraints: int = 0
+    objective: float | None = None
+    gap: float | None = None
+    variables_before_merging: int | None = None
+
+
+class Alternative(_Frozen):
+    """A runner-up configuration, so the user sees the trade-off the planner made."""
+
+    parallelism: Parallelism
+    step_time_s: float
+    memory_per_device_bytes: float
+    note: str = ""
+
+
+class Plan(_Frozen):
+    """Everything decided for one model on one mesh. Round-trips through JSON and YAML."""
+
+    version: int = PLAN_VERSION
+    model: str = Field(description="Where the model came from, such as 'gpt:gpt2_124m'.")
+    mesh: MeshSpec
+    global_batch: int = Field(ge=1)
+    microbatch_size: int = Field(ge=1)
+    dtype: str = "float32"
+    optimizer: str = "adamw"
+    precision: str = "fp32"
+    memory_limit_bytes: float | None = None
+    parallelism: Parallelism
+    estimate: Estimate
+    params: dict[str, ParamPlan]
+    ops: dict[str, OpPlan]
+    stages: tuple[Stage, ...] = ()
+    recompute: tuple[RecomputeRegion, ...] = ()
+    solver: SolverReport = SolverReport()
+    alternatives: tuple[Alternative, ...] = ()
+    warnings: tuple[str, ...] = ()
