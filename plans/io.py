@@ -63,7 +63,9 @@ def plan_from_dict(data: Any, source: str = "<plan>") -> Plan:
     try:
         return Plan.model_validate(data)
     except ValidationError as err:
-        raise PlanFileError(f"{source}: not a valid plan:\n{describe_validation_error(err)}") from None
+        raise PlanFileError(
+            f"{source}: not a valid plan:\n{describe_validation_error(err)}"
+        ) from None
 
 
 def describe_validation_error(err: ValidationError) -> str:

@@ -98,8 +98,12 @@ class MeshSpec(BaseModel):
         axis_names: tuple[str, str] = ("node", "gpu"),
     ) -> MeshSpec:
         """A physical cluster: the outer axis crosses nodes, the inner axis stays inside one."""
-        return cls(shape=(nodes, gpus_per_node), axis_names=axis_names, device=device,
-                   gpus_per_node=gpus_per_node)
+        return cls(
+            shape=(nodes, gpus_per_node),
+            axis_names=axis_names,
+            device=device,
+            gpus_per_node=gpus_per_node,
+        )
 
     @property
     def ndim(self) -> int:
@@ -112,7 +116,9 @@ class MeshSpec(BaseModel):
     def axis(self, name: str) -> int:
         """The index of mesh axis ``name``."""
         if name not in self.axis_names:
-            raise UsageError(f"unknown mesh axis {name!r}; the mesh has axes {list(self.axis_names)}")
+            raise UsageError(
+                f"unknown mesh axis {name!r}; the mesh has axes {list(self.axis_names)}"
+            )
         return self.axis_names.index(name)
 
     def axis_size(self, name_or_index: str | int) -> int:

@@ -23,13 +23,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Sequence
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    model_serializer,
+    model_validator,
+)
 
 from plans.errors import UsageError
 
-SpecEntry = Union[str, None, tuple[str, ...], list[str]]
+SpecEntry = str | None | tuple[str, ...] | list[str]
 
 
 class Shard(BaseModel):
@@ -179,7 +186,9 @@ class Layout(BaseModel):
                 factor *= size
         return factor
 
-    def local_shape(self, global_shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    def local_shape(
+        self, global_shape: Sequence[int], mesh_shape: Sequence[int]
+    ) -> tuple[int, ...]:
         """The shape each device holds, assuming even splits (checked by ``check_divisible``)."""
         shape = list(global_shape)
         for size, placement in zip(mesh_shape, self.placements, strict=True):
@@ -238,9 +247,9 @@ def layout_from_spec(spec: Sequence[SpecEntry], axis_names: Sequence[str]) -> La
 
 def spec_from_layout(
     layout: Layout, axis_names: Sequence[str], ndim: int
-) -> list[str | None | tuple[str, ...]]:
+) -> list[str | tuple[str, ...] | None]:
     """Convert a ``Layout`` to the JAX spelling. A ``Partial`` placement has no spelling there."""
-    spec: list[str | None | tuple[str, ...]] = [None] * ndim
+    spec: list[str | tuple[str, ...] | None] = [None] * ndim
     for dim, axes in layout.sharded_dims().items():
         if dim >= ndim:
             raise UsageError(f"{layout!r} shards dim {dim} of a {ndim}-d tensor")

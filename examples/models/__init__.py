@@ -1,0 +1,63 @@
+"""Example models for autopar: plain single-device ``nn.Module``s, configurable, by name.
+
+Every factory returns ``(model, example_inputs)`` for ``model(*example_inputs)``:
+
+>>> from examples.models import build, llama3_8b
+>>> model, (idx,) = llama3_8b(device="meta", n_layer=2)   # shapes only, no weights
+>>> model, inputs = build("gpt-tiny")                      # real weights, runs on CPU
+
+Model families (each a factory over a config dataclass): :func:`gpt`, :func:`llama`,
+:func:`moe`, :func:`mlp`. Published sizes and tiny test sizes: :data:`PRESETS`.
+"""
+
+from examples.models._build import Built
+from examples.models.gpt import GPTConfig, gpt
+from examples.models.llama import LlamaConfig, llama
+from examples.models.mlp import MLPConfig, mlp
+from examples.models.moe import MoEConfig, moe
+from examples.models.presets import (
+    PRESETS,
+    Preset,
+    build,
+    gpt2_124m,
+    gpt3_1p3b,
+    gpt3_6p7b,
+    gpt3_13b,
+    gpt3_175b,
+    gpt_demo,
+    gpt_tiny,
+    llama3_8b,
+    llama3_70b,
+    llama_tiny,
+    mixtral_8x7b,
+    mlp_tiny,
+    moe_tiny,
+)
+
+__all__ = [
+    "PRESETS",
+    "Built",
+    "GPTConfig",
+    "LlamaConfig",
+    "MLPConfig",
+    "MoEConfig",
+    "Preset",
+    "build",
+    "gpt",
+    "gpt2_124m",
+    "gpt3_1p3b",
+    "gpt3_6p7b",
+    "gpt3_13b",
+    "gpt3_175b",
+    "gpt_demo",
+    "gpt_tiny",
+    "llama",
+    "llama3_8b",
+    "llama3_70b",
+    "llama_tiny",
+    "mixtral_8x7b",
+    "mlp",
+    "mlp_tiny",
+    "moe",
+    "moe_tiny",
+]

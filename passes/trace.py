@@ -1,0 +1,300 @@
+"""The trace pass: ``torch.export`` a model into an annotated ATen graph.
+
+>>> model, inputs = examples.models.build("gpt-tiny")          # doctest: +SKIP
+>>> traced = trace(model, inputs)                              # doctest: +SKIP
+>>> traced.summary().layers                                    # doctest: +SKIP
+2
+
+Export is non-strict (``strict=False``): the model's Python runs as written, on fake
+tensors, so a model built on the ``meta`` device (no weights allocated) traces as fast as a
+small one. The graph is the training IR: high-level ATen ops (``aten.linear``,
+``aten.scaled_dot_product_attention``, ``aten.layer_norm``) that the sharding rules speak.
+
+Failures come back as one message: which module, which source line, what to change
+(``UntraceableModelError``), or what is wrong with the example inputs (``UsageError``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import logging
+import sys
+import time
+import traceback
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from passes.annotate import annotate_graph
+from passes.annotation import META_KEY, NodeAnnotation, NodeKind, TensorInfo
+from passes.layers import LayerContainer, find_layer_container, module_path
+from plans.errors import UntraceableModelError, UsageError
+
+
+@dataclass(frozen=True, slots=True)
+class ParamInfo:
+    """A parameter of the traced model.
+
+    ``name`` is its first name in ``named_parameters()``; a tied weight has other names
+    (``aliases``) and export may give it one placeholder per name (``nodes``).
+    """
+
+    name: str
+    nodes: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return TensorInfo(self.shape, self.dtype).numel
+
+    @property
+    def nbytes(self) -> int:
+        return TensorInfo(self.shape, self.dtype).nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class GraphSummary:
+    """What ``autopar demo`` and ``autopar trace`` print about a traced model."""
+
+    nodes: int
+    ops: dict[str, int]
+    parameters: int
+    parameter_bytes: int
+    fwd_flops: int
+    bwd_flops: int
+    saved_activation_bytes: int
+    layers: int
+    layer_container: str
+    trace_seconds: float
+
+
+@dataclass
+class TracedModel:
+    """The exported program plus what autopar read off it."""
+
+    exported: torch.export.ExportedProgram
+    params: dict[str, ParamInfo]
+    buffers: dict[str, str]
+    user_inputs: list[str]
+    user_outputs: list[str]
+    layers: LayerContainer | None
+    trace_seconds: float
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        return self.exported.graph_module
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.exported.graph_module.graph
+
+    def annotations(self) -> dict[str, NodeAnnotation]:
+        """Node name -> annotation, in graph order."""
+        return {n.name: n.meta[META_KEY] for n in self.graph.nodes}
+
+    def summary(self) -> GraphSummary:
+        notes = [n.meta[META_KEY] for n in self.graph.nodes]
+        ops = Counter(a.op for a in notes if a.kind in ("op", "view"))
+        return GraphSummary(
+            nodes=len(notes),
+            ops=dict(ops.most_common()),
+            parameters=sum(p.numel for p in self.params.values()),
+            parameter_bytes=sum(p.nbytes for p in self.params.values()),
+            fwd_flops=sum(a.fwd_flops for a in notes),
+            bwd_flops=sum(a.bwd_flops for a in notes),
+            saved_activation_bytes=sum(a.saved_bytes for a in notes),
+            layers=self.layers.count if self.layers else 0,
+            layer_container=self.layers.path if self.layers else "",
+            trace_seconds=self.trace_seconds,
+        )
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    example_kwargs: Mapping[str, Any] | None = None,
+) -> TracedModel:
+    """Export ``model`` on its example inputs and annotate every node.
+
+    Inputs on another device than a ``meta`` model are moved to ``meta``. Raises
+    ``UsageError`` when the inputs do not fit ``forward`` and ``UntraceableModelError`` when
+    the model's code cannot be traced.
+    """
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"autopar traces an nn.Module, got {type(model).__name__}")
+    args = tuple(example_inputs) if isinstance(example_inputs, list | tuple) else (example_inputs,)
+    kwargs = dict(example_kwargs or {})
+    _check_signature(model, args, kwargs)
+    if _model_device(model) == torch.device("meta"):
+        args, kwargs = _to_meta((args, kwargs))
+    start = time.perf_counter()
+    exported = _export(model, args, kwargs)
+    signature = exported.graph_signature
+    names_of = _tied_names(model)
+    placeholder_kinds: dict[str, tuple[NodeKind, str | None]] = {}
+    for node_name, param in signature.inputs_to_parameters.items():
+        placeholder_kinds[node_name] = ("param", names_of.get(param, (param,))[0])
+    for node_name, buffer in signature.inputs_to_buffers.items():
+        placeholder_kinds[node_name] = ("buffer", buffer)
+    for node_name, constant in signature.inputs_to_lifted_tensor_constants.items():
+        placeholder_kinds[node_name] = ("constant", constant)
+    graph = exported.graph_module.graph
+    layers = find_layer_container(
+        [module_path(n) for n in graph.nodes] + list(signature.inputs_to_parameters.values())
+    )
+    warnings = annotate_graph(graph, placeholder_kinds, layers)
+    params: dict[str, ParamInfo] = {}
+    for node in graph.nodes:
+        kind, name = placeholder_kinds.get(node.name, ("input", None))
+        if kind == "param" and name is not None:
+            info = node.meta[META_KEY].outputs[0]
+            known = params.get(name)
+            nodes = (*known.nodes, node.name) if known else (node.name,)
+            params[name] = ParamInfo(
+                name, nodes, info.shape, info.dtype, names_of[name][1:] if name in names_of else ()
+            )
+    return TracedModel(
+        exported=exported,
+        params=params,
+        buffers=dict(signature.inputs_to_buffers),
+        user_inputs=list(signature.user_inputs),
+        user_outputs=[str(o) for o in signature.user_outputs],
+        layers=layers,
+        trace_seconds=time.perf_counter() - start,
+        warnings=warnings,
+    )
+
+
+def _model_device(model: nn.Module) -> torch.device | None:
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        return tensor.device
+    return None
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    if isinstance(value, list | tuple):
+        return type(value)(_to_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
+    return value
+
+
+def _check_signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    try:
+        inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as error:
+        raise UsageError(
+            f"the example inputs do not fit {type(model).__name__}.forward"
+            f"{inspect.signature(model.forward)}: {error}; pass one value per argument of forward"
+        ) from None
+
+
+def _tied_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Each parameter name -> every name of the same tensor, the first name first."""
+    by_tensor: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(param), []).append(name)
+    return {name: tuple(names) for names in by_tensor.values() for name in names}
+
+
+def _export(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> torch.export.ExportedProgram:
+    was_training = model.training
+    # torch logs and prints each failure at length (graphs, stacks); our one message
+    # replaces that. What it writes on success is passed on.
+    logging.disable(logging.CRITICAL)
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            exported = torch.export.export(model, args, kwargs, strict=False)
+        sys.stderr.write(captured.getvalue())
+        return exported
+    except Exception as error:
+        raise _explain_failure(model, error) from None
+    finally:
+        logging.disable(logging.NOTSET)
+        model.train(was_training)
+
+
+_DATA_DEPENDENT_HINTS = (
+    "data-dependent",
+    "GuardOnDataDependentSymNode",
+    "item()",
+    "unbacked",
+    "Could not guard on data-dependent",
+    "Could not extract specialized integer",
+)
+
+_EXPORT_MACHINERY = ("torch/_dynamo", "torch/export", "torch/fx/experimental")
+
+
+def _explain_failure(model: nn.Module, error: Exception) -> Exception:
+    """One message naming the user's module and source line, with what to change."""
+    where = _user_frame(model, error)
+    first_line = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else ""
+    message = f"{type(error).__name__}: {first_line}"
+    text = str(error)
+    if any(hint in text for hint in _DATA_DEPENDENT_HINTS) or "meta tensors" in text:
+        advice = (
+            "the model's control flow or shapes depend on tensor values (for example "
+            "`if x.sum() > 0`, `.item()`, `.tolist()`, boolean-mask indexing). Compute on "
+            "tensors instead: torch.where for branches, torch.cond for real control flow, "
+            "fixed-size masks instead of x[mask]"
+        )
+        return UntraceableModelError(f"cannot trace the model at {where}: {advice}.\n  ({message})")
+    if isinstance(error, RuntimeError | ValueError | IndexError | TypeError) and not _raised_by(
+        error, _EXPORT_MACHINERY
+    ):
+        return UsageError(
+            f"the example inputs do not fit the model at {where}: {message}. Check the "
+            "example inputs' shapes and dtypes against what forward expects"
+        )
+    return UntraceableModelError(
+        f"cannot trace the model at {where}: torch.export failed. Rewrite that line with "
+        f"torch operations (no numpy, no Python on tensor values).\n  ({message})"
+    )
+
+
+def _raised_by(error: BaseException, places: tuple[str, ...]) -> bool:
+    """Whether the innermost frame of the error's traceback lies in one of ``places``."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and any(place in frames[-1].filename for place in places)
+
+
+def _user_frame(model: nn.Module, error: BaseException) -> str:
+    """``module 'layers.0.attn' (model.py:42: `if x.sum() > 0:`)`` for the innermost user frame."""
+    names = {id(m): name for name, m in model.named_modules()}
+    torch_root = str(Path(torch.__file__).parent)
+    user: tuple[str, str] | None = None
+    innermost_module: str | None = None
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        filename = frame.f_code.co_filename
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            path = names[id(owner)] or "(root)"
+            innermost_module = path
+            if not filename.startswith(torch_root) and filename != __file__:
+                line = traceback.extract_tb(tb, limit=1)[0]
+                source = f"{Path(filename).name}:{line.lineno}: `{(line.line or '').strip()}`"
+                user = (path, source)
+        tb = tb.tb_next
+    if user is not None:
+        return f"module '{user[0]}' ({user[1]})"
+    if innermost_module is not None:
+        return f"module '{innermost_module}' ({type(model).__name__})"
+    return f"module {type(model).__name__} (source line unknown)"
