@@ -1,5 +1,51 @@
-"""autopar: a declarative auto-parallel compiler for PyTorch."""
+"""autopar: a declarative auto-parallel compiler for PyTorch.
+
+The public surface, in the order a user meets it:
+
+- ``Mesh(shape, axis_names, device="h100-sxm")``: a logical device mesh; ``Mesh.cluster``
+  for nodes x GPUs. Needs no processes until ``mesh.init()``.
+- ``trace(model, example_inputs)``: the model as an annotated ATen graph.
+- Errors: every mistake a user can fix raises a subclass of ``AutoparError`` whose message
+  says what to change.
+"""
 
 from autopar._version import __version__
+from autopar.mesh import Mesh
+from passes.trace import TracedModel, trace
+from plans import (
+    AutoparError,
+    HintError,
+    InfeasiblePlanError,
+    Layout,
+    Partial,
+    Plan,
+    PlanFileError,
+    PresetError,
+    Replicate,
+    Shard,
+    UntraceableModelError,
+    UsageError,
+    load_plan,
+    save_plan,
+)
 
-__all__ = ["__version__"]
+__all__ = [
+    "AutoparError",
+    "HintError",
+    "InfeasiblePlanError",
+    "Layout",
+    "Mesh",
+    "Partial",
+    "Plan",
+    "PlanFileError",
+    "PresetError",
+    "Replicate",
+    "Shard",
+    "TracedModel",
+    "UntraceableModelError",
+    "UsageError",
+    "__version__",
+    "load_plan",
+    "save_plan",
+    "trace",
+]

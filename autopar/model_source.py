@@ -106,10 +106,10 @@ def _preset_factory(name: str) -> Factory:
 
     if name not in PRESETS:
         close = difflib.get_close_matches(name, list(PRESETS), n=3)
-        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        hint = f" did you mean {', '.join(close)}?" if close else ""
         raise UsageError(
             f"MODEL {name!r} is neither path/to/file.py:factory, package.module:factory, "
-            f"nor a preset ({', '.join(sorted(PRESETS))}).{hint}"
+            f"nor a preset ({', '.join(sorted(PRESETS))});{hint}"
         )
 
     def factory(**config: Any) -> tuple[nn.Module, tuple[Any, ...]]:
