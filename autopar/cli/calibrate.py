@@ -1,15 +1,68 @@
-"""`autopar calibrate`: placeholder until the cost model lands."""
+"""`autopar calibrate`: measure this machine and write a preset file for it.
+
+    $ autopar calibrate --quick -o local.yaml
+    ...
+    wrote local.yaml; plan with it by passing --device local.yaml
+
+Without ``-o`` the file goes to ``~/.config/autopar/presets/NAME.yaml``, where ``autopar
+devices`` lists it and ``--device NAME`` finds it. What is measured and what is borrowed
+from a shipped preset is written in the file's header (see ``cost_model.calibrate``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 from typing import Any
+
+from cost_model.hardware import USER_PRESET_DIR, save_preset
+from plans.errors import UsageError
 
 
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser("calibrate", help="(not yet available)")
+    parser = subparsers.add_parser(
+        "calibrate",
+        help="measure this machine and write a device preset",
+        description="Measure matmul FLOP/s per dtype, memory bandwidth and collective bus "
+        "bandwidth on this machine (its first GPU, else the CPU) and write them as a preset.",
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        type=Path,
+        help=f"where to write the preset (default: {USER_PRESET_DIR}/NAME.yaml)",
+    )
+    parser.add_argument("--name", help="the preset's name (default: local-cpu, local-<gpu>)")
+    parser.add_argument(
+        "--quick", action="store_true", help="short, small measurements (seconds, less precise)"
+    )
+    parser.add_argument(
+        "--skip-collectives",
+        action="store_true",
+        help="do not start processes to measure the collectives",
+    )
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    from cost_model.calibrate import calibrate, default_name, summary_rows  # imports torch
+
+    name = args.name or default_name()
+    if not name or os.sep in name or name.endswith((".yaml", ".yml")):
+        raise UsageError(
+            f"--name {name!r}: give a plain name such as 'my-cluster'; use -o for the file"
+        )
+    result = calibrate(name=name, quick=args.quick, collectives=not args.skip_collectives)
+    output = args.output or USER_PRESET_DIR.expanduser() / f"{name}.yaml"
+    path = save_preset(result.preset, output, header="\n".join(result.notes))
+    width = max(len(label) for label, _ in summary_rows(result.preset))
+    print(f"preset {result.preset.name!r}: {result.preset.description}")
+    for label, value in summary_rows(result.preset):
+        print(f"  {label.ljust(width)}  {value}")
+    for note in result.notes[1:]:
+        print(f"  note: {note}")
+    how = f"--device {name}" if args.output is None else f"--device {path}"
+    print(f"wrote {path}; plan with it by passing {how}")
+    return 0

@@ -8,7 +8,11 @@ from autopar import __version__
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "autopar", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "autopar", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
 
 

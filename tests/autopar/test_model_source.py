@@ -8,7 +8,7 @@ from plans import UsageError
 
 
 def test_preset_name():
-    model, inputs, name = build_model("gpt-tiny")
+    _, inputs, name = build_model("gpt-tiny")
     assert name == "gpt-tiny"
     assert isinstance(inputs[0], torch.Tensor)
 
@@ -20,15 +20,29 @@ def test_module_and_factory_with_config():
 
 
 def test_file_and_factory_on_meta():
-    model, inputs, _ = build_model("examples/models/llama.py:llama", {
-        "vocab_size": 64, "seq_len": 8, "n_layer": 1, "n_head": 4, "n_kv_head": 2,
-        "d_model": 32, "d_ff": 64}, meta=True)
+    model, _, _ = build_model(
+        "examples/models/llama.py:llama",
+        {
+            "vocab_size": 64,
+            "seq_len": 8,
+            "n_layer": 1,
+            "n_head": 4,
+            "n_kv_head": 2,
+            "d_model": 32,
+            "d_ff": 64,
+        },
+        meta=True,
+    )
     assert next(model.parameters()).device.type == "meta"
 
 
 def test_config_values_are_typed():
     assert parse_config(["n_layer=2", "dropout=0.1", "bias=false", "name=x"]) == {
-        "n_layer": 2, "dropout": 0.1, "bias": False, "name": "x"}
+        "n_layer": 2,
+        "dropout": 0.1,
+        "bias": False,
+        "name": "x",
+    }
     with pytest.raises(UsageError, match="key=value"):
         parse_config(["n_layer"])
 

@@ -1,0 +1,221 @@
+"""Hardware presets: what one device and its links can do, read from YAML files.
+
+A preset is a ``DevicePreset``: peak FLOP/s per dtype, memory capacity and bandwidth, the
+intra-node and inter-node ``Link`` (bandwidth per device per direction, as nccl-tests quotes
+bus bandwidth, and latency per collective step), and the fractions of those peaks a real
+workload reaches. Four ship with autopar (``a100-80gb-sxm``, ``h100-sxm``, ``h200-sxm``,
+``cpu``); the figures and their sources are in the YAML files under ``cost_model/presets/``.
+
+Users add presets as files. A name is looked up, first match wins, in:
+
+1. the directories in ``$AUTOPAR_PRESET_PATH`` (separated by ``os.pathsep``),
+2. ``~/.config/autopar/presets/``,
+3. the built-in ``cost_model/presets/``,
+
+so a user file named ``h100-sxm.yaml`` overrides the shipped one. ``preset_dirs`` is the one
+place that reads the environment.
+
+>>> preset = load_preset("h100-sxm")
+>>> preset.peak_flops["bfloat16"] / 1e12, preset.intra_node.bandwidth / 1e9
+(989.4, 450.0)
+>>> load_preset("h100")                                       # doctest: +SKIP
+PresetError: unknown device preset 'h100'; known presets, closest first: h100-sxm, ...
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from plans.errors import PresetError, UsageError
+from plans.io import describe_validation_error
+from plans.units import parse_bytes
+
+PRESET_PATH_ENV = "AUTOPAR_PRESET_PATH"
+USER_PRESET_DIR = Path("~/.config/autopar/presets")
+BUILTIN_PRESET_DIR = Path(__file__).parent / "presets"
+PRESET_SUFFIXES = (".yaml", ".yml")
+
+# Keys of ``DevicePreset.peak_flops``: torch dtype names, plus "tfloat32" (fp32 matmuls on
+# tensor cores) and "float8" (any 8-bit float format).
+DTYPE_KEYS = ("float64", "float32", "tfloat32", "bfloat16", "float16", "float8")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Link(_Strict):
+    """One kind of link between devices (NVLink inside a node, InfiniBand across nodes)."""
+
+    bandwidth: float = Field(
+        gt=0,
+        description="Bytes/s per device per direction (what nccl-tests calls bus bandwidth "
+        "at its peak); NVLink's bidirectional figure halved.",
+    )
+    latency: float = Field(ge=0, description="Seconds per step of a collective (one ring hop).")
+
+
+class Efficiency(_Strict):
+    """Fractions of the peaks that real kernels reach; the cost model multiplies peaks by them."""
+
+    compute: float = Field(gt=0, le=1, description="Of peak FLOP/s, for large matmuls.")
+    memory: float = Field(gt=0, le=1, description="Of peak memory bandwidth (STREAM-like copy).")
+    network: float = Field(gt=0, le=1, description="Of link bandwidth (nccl-tests bus bandwidth).")
+
+
+class DevicePreset(_Strict):
+    """One device type and the node it sits in. All figures per device, in bytes and seconds.
+
+    Treat a loaded preset as read-only: ``load_preset`` caches and shares it.
+    """
+
+    name: str = Field(min_length=1)
+    description: str = ""
+    peak_flops: dict[str, float] = Field(
+        description=f"Dense peak FLOP/s keyed by dtype name: {', '.join(DTYPE_KEYS)}; "
+        "float32 is required, the others where the device has them."
+    )
+    memory_bytes: float = Field(gt=0, description="Device memory capacity; '80GiB' is read too.")
+    memory_bandwidth: float = Field(gt=0, description="Peak device memory bandwidth, bytes/s.")
+    gpus_per_node: int = Field(ge=1, description="Devices that share the intra-node link.")
+    intra_node: Link
+    inter_node: Link
+    launch_overhead: float = Field(
+        0.0, ge=0, description="Seconds per collective call, on top of the per-step latency."
+    )
+    efficiency: Efficiency
+
+    @field_validator("memory_bytes", mode="before")
+    @classmethod
+    def _size_with_unit(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            return parse_bytes(value)
+        except UsageError as err:
+            raise ValueError(str(err)) from None
+
+    @field_validator("peak_flops")
+    @classmethod
+    def _known_dtypes(cls, value: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(value) - set(DTYPE_KEYS))
+        if unknown:
+            raise ValueError(f"unknown dtype keys {unknown}; use {list(DTYPE_KEYS)}")
+        if "float32" not in value:
+            raise ValueError("float32 is required")
+        bad = sorted(k for k, v in value.items() if not v > 0)
+        if bad:
+            raise ValueError(f"peaks must be positive, not for {bad}")
+        return value
+
+    def link(self, crosses_nodes: bool) -> Link:
+        """The inter-node link if ``crosses_nodes``, else the intra-node one."""
+        return self.inter_node if crosses_nodes else self.intra_node
+
+
+def preset_dirs(environ: Mapping[str, str] | None = None) -> tuple[Path, ...]:
+    """The directories searched for preset files, first match wins (see the module docstring).
+
+    The only place autopar reads ``$AUTOPAR_PRESET_PATH``; pass ``environ`` to override it.
+    """
+    env = os.environ if environ is None else environ
+    extra = [Path(p).expanduser() for p in env.get(PRESET_PATH_ENV, "").split(os.pathsep) if p]
+    return (*extra, USER_PRESET_DIR.expanduser(), BUILTIN_PRESET_DIR)
+
+
+def preset_files(dirs: tuple[Path, ...] | None = None) -> dict[str, Path]:
+    """Preset name (the file's stem) -> file, over ``dirs`` (default ``preset_dirs()``)."""
+    found: dict[str, Path] = {}
+    for directory in preset_dirs() if dirs is None else dirs:
+        if not directory.is_dir():
+            continue
+        for path in sorted(directory.iterdir()):
+            if path.suffix in PRESET_SUFFIXES and path.is_file():
+                found.setdefault(path.stem, path)
+    return found
+
+
+def known_preset_names() -> list[str]:
+    return sorted(preset_files())
+
+
+def load_preset(name_or_path: str | Path) -> DevicePreset:
+    """The preset called ``name_or_path``, or the one in that YAML file.
+
+    A string ending in ``.yaml``/``.yml`` or containing a path separator is a file; anything
+    else is a name. Raises ``PresetError`` for an unknown name (listing the known ones,
+    closest first), a missing file, or a file that is not a valid preset (naming the field).
+    """
+    text = str(name_or_path)
+    if isinstance(name_or_path, Path) or text.endswith(PRESET_SUFFIXES) or os.sep in text:
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise PresetError(f"{path}: no such preset file")
+        return _read_preset(str(path.resolve()), path.stat().st_mtime_ns, None)
+    files = preset_files()
+    if text not in files:
+        raise PresetError(unknown_preset_message(text, list(files)))
+    path = files[text]
+    return _read_preset(str(path), path.stat().st_mtime_ns, text)
+
+
+def list_presets() -> list[DevicePreset]:
+    """Every preset found by name, sorted by name."""
+    return [load_preset(name) for name in known_preset_names()]
+
+
+def unknown_preset_message(name: str, known: list[str]) -> str:
+    closest = sorted(known, key=lambda k: (-difflib.SequenceMatcher(None, name, k).ratio(), k))
+    return (
+        f"unknown device preset {name!r}; known presets, closest first: {', '.join(closest)}. "
+        f"Pass a preset file's path, or add NAME.yaml to {USER_PRESET_DIR}/ or to a directory "
+        f"in ${PRESET_PATH_ENV} (`autopar calibrate` writes one for this machine)"
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _read_preset(path: str, mtime_ns: int, expected_name: str | None) -> DevicePreset:
+    """Parse one preset file; cached by path and modification time (a pure function of both)."""
+    del mtime_ns  # part of the cache key only: an edited file is read again
+    try:
+        data: Any = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise PresetError(f"{path}: cannot read the preset: {err}") from None
+    if not isinstance(data, dict):
+        raise PresetError(
+            f"{path}: a preset file holds a mapping of fields, found {type(data).__name__}"
+        )
+    try:
+        preset = DevicePreset.model_validate(data)
+    except ValidationError as err:
+        raise PresetError(
+            f"{path}: not a valid device preset:\n{describe_validation_error(err)}"
+        ) from None
+    if expected_name is not None and preset.name != expected_name:
+        raise PresetError(
+            f"{path}: the file is named {expected_name!r} but declares name "
+            f"{preset.name!r}; make the two match"
+        )
+    return preset
+
+
+def dump_preset(preset: DevicePreset, header: str = "") -> str:
+    """The preset as YAML text that ``load_preset`` reads back; ``header`` becomes comments."""
+    comments = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
+    return comments + yaml.safe_dump(preset.model_dump(mode="json"), sort_keys=False, width=100)
+
+
+def save_preset(preset: DevicePreset, path: str | Path, header: str = "") -> Path:
+    """Write ``preset`` as YAML to ``path`` (parents created); returns the path."""
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dump_preset(preset, header))
+    return path

@@ -1,0 +1,239 @@
+"""Memory per device at the peak of a training step: model states and saved activations.
+
+**Model states** (Rajbhandari et al. 2019, "ZeRO", Sec. 3.1). A parameter of ``N`` values
+costs ``param_bytes * N`` for the weights, ``grad_bytes * N`` for the gradient and
+``K * N``-ish for the optimizer, where ``K`` = fp32 master copy (mixed precision only) plus
+the optimizer's state values times their width:
+
+==============  ===========  ===========  =================  ============================
+precision       param bytes  grad bytes   fp32 master copy   optimizer state value bytes
+==============  ===========  ===========  =================  ============================
+fp32            4            4            no                 4
+bf16_mixed      2            2            yes (4, counted    4
+fp16_mixed      2            2            as optimizer)      4
+bf16            2            2            no                 2
+==============  ===========  ===========  =================  ============================
+
+==============  ==========================================================================
+optimizer       state values for a parameter of shape ``(..., r, c)`` with ``N`` values
+==============  ==========================================================================
+sgd             0
+sgd_momentum    N (momentum buffer)
+adam, adamw     2 N (first and second moments)
+adafactor       ``N / (r c) * (r + c)`` for ``ndim >= 2`` (row and column second-moment
+                factors), ``N`` for vectors; no first moment (Shazeer & Stern 2018; as
+                ``torch.optim.Adafactor``, which factors the last two dims)
+==============  ==========================================================================
+
+So mixed-precision Adam is 2 + 2 + (4 + 4 + 4) = 16 bytes per parameter, ZeRO's K = 12.
+
+Each of the three terms is divided by the shard factor of *its own* layout
+(``Layout.shard_factor``), so ZeRO falls out of layouts: replicate all three over the data
+axis for plain DP; shard the optimizer layout for ZeRO-1, also the gradient for ZeRO-2, also
+the parameter for ZeRO-3/FSDP. (Adafactor's factors are divided the same way, an
+approximation: a row factor is split only by a layout that splits rows.)
+
+**Activations.** Saved-for-backward bytes of one microbatch, each tensor divided by its
+layout's shard factor; a pipeline stage holds several microbatches' worth at its peak
+(``microbatches_in_flight``). The peak is the saved bytes held when the last forward in
+flight ends, plus the largest transient working set (``transient``): not the sum of every
+tensor the step ever allocates.
+
+What it leaves out: allocator fragmentation and caching, CUDA context and NCCL buffers,
+communication buffers of in-flight collectives (FSDP's prefetched all-gathers), gradient
+buckets, and the parameter copies that ZeRO-3 gathers for the layer it is running.
+
+>>> param_state_bytes((4096, 4096), "adam", "bf16_mixed")
+(33554432, 33554432, 201326592)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Literal, NamedTuple, Protocol
+
+from plans.errors import UsageError
+from plans.mesh import MeshSpec
+from plans.placement import Layout
+from plans.plan import MemoryBreakdown
+
+Optimizer = Literal["sgd", "sgd_momentum", "adam", "adamw", "adafactor"]
+Precision = Literal["fp32", "bf16_mixed", "fp16_mixed", "bf16"]
+PipelineSchedule = Literal["none", "gpipe", "1f1b", "interleaved"]
+
+OPTIMIZERS: tuple[str, ...] = ("sgd", "sgd_momentum", "adam", "adamw", "adafactor")
+
+
+class PrecisionPolicy(NamedTuple):
+    """Bytes per value of each kind of model state."""
+
+    param: int
+    grad: int
+    master: int
+    state: int
+
+
+PRECISIONS: dict[str, PrecisionPolicy] = {
+    "fp32": PrecisionPolicy(param=4, grad=4, master=0, state=4),
+    "bf16_mixed": PrecisionPolicy(param=2, grad=2, master=4, state=4),
+    "fp16_mixed": PrecisionPolicy(param=2, grad=2, master=4, state=4),
+    "bf16": PrecisionPolicy(param=2, grad=2, master=0, state=2),
+}
+
+
+class ParamLayoutsLike(Protocol):
+    """What ``model_state_memory`` reads from a parameter (``plans.ParamPlan`` has it)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def param(self) -> Layout: ...
+    @property
+    def grad(self) -> Layout: ...
+    @property
+    def optimizer(self) -> Layout: ...
+
+
+class ParamLayouts(NamedTuple):
+    """A parameter's shape and the layouts of its value, gradient and optimizer state."""
+
+    shape: tuple[int, ...]
+    param: Layout
+    grad: Layout
+    optimizer: Layout
+
+
+def precision_policy(precision: str) -> PrecisionPolicy:
+    if precision not in PRECISIONS:
+        raise UsageError(f"unknown precision {precision!r}; one of {', '.join(PRECISIONS)}")
+    return PRECISIONS[precision]
+
+
+def optimizer_state_values(shape: Sequence[int], optimizer: str) -> int:
+    """How many state values ``optimizer`` keeps for a parameter of ``shape`` (table above)."""
+    numel = math.prod(shape)
+    if optimizer == "sgd":
+        return 0
+    if optimizer == "sgd_momentum":
+        return numel
+    if optimizer in ("adam", "adamw"):
+        return 2 * numel
+    if optimizer == "adafactor":
+        if len(shape) < 2:
+            return numel
+        *lead, rows, cols = shape
+        return math.prod(lead) * (rows + cols)
+    raise UsageError(f"unknown optimizer {optimizer!r}; one of {', '.join(OPTIMIZERS)}")
+
+
+def param_state_bytes(shape: Sequence[int], optimizer: str, precision: str) -> tuple[int, int, int]:
+    """Unsharded ``(params, grads, optimizer)`` bytes of one parameter.
+
+    The optimizer term holds the fp32 master copy under mixed precision, as ZeRO counts it.
+
+    >>> param_state_bytes((10,), "adam", "fp32")
+    (40, 40, 80)
+    """
+    policy = precision_policy(precision)
+    numel = math.prod(shape)
+    states = optimizer_state_values(shape, optimizer)
+    return policy.param * numel, policy.grad * numel, policy.master * numel + policy.state * states
+
+
+def _mesh_shape(mesh: MeshSpec | Sequence[int]) -> tuple[int, ...]:
+    return mesh.shape if isinstance(mesh, MeshSpec) else tuple(mesh)
+
+
+def model_state_memory(
+    params: Iterable[ParamLayoutsLike],
+    mesh: MeshSpec | Sequence[int],
+    optimizer: str = "adamw",
+    precision: str = "fp32",
+) -> MemoryBreakdown:
+    """Parameter, gradient and optimizer bytes per device; each divided by its layout's shards.
+
+    ``params``: anything with ``shape``, ``param``, ``grad`` and ``optimizer`` layouts, such
+    as ``plans.ParamPlan`` or ``ParamLayouts``. ``activations`` is left at 0.
+    """
+    mesh_shape = _mesh_shape(mesh)
+    totals = [0.0, 0.0, 0.0]
+    for p in params:
+        sizes = param_state_bytes(p.shape, optimizer, precision)
+        for i, (nbytes, layout) in enumerate(
+            zip(sizes, (p.param, p.grad, p.optimizer), strict=True)
+        ):
+            totals[i] += nbytes / layout.shard_factor(mesh_shape)
+    params_b, grads_b, optim_b = totals
+    return MemoryBreakdown(
+        params=params_b, grads=grads_b, optimizer=optim_b, total=params_b + grads_b + optim_b
+    )
+
+
+def saved_activation_bytes(
+    saved: Iterable[tuple[float, Layout]], mesh: MeshSpec | Sequence[int]
+) -> float:
+    """Bytes per device of one microbatch's saved tensors: ``sum(nbytes / shard_factor)``."""
+    mesh_shape = _mesh_shape(mesh)
+    return sum(nbytes / layout.shard_factor(mesh_shape) for nbytes, layout in saved)
+
+
+def microbatches_in_flight(
+    schedule: str, stages: int, stage: int, microbatches: int, chunks: int = 1
+) -> float:
+    """Microbatches whose activations stage ``stage`` (0-based) holds at its peak.
+
+    In units of one microbatch through the stage's whole share of layers:
+
+    - ``none`` (no pipeline, or gradient accumulation): 1;
+    - ``gpipe``: ``m``, every forward runs before the first backward (Huang et al. 2019);
+    - ``1f1b``: ``min(p - i, m)``: stage ``i`` runs ``p - i - 1`` warm-up forwards and one
+      more before its first backward (Narayanan et al. 2021, Sec. 2.2.1);
+    - ``interleaved`` with ``v`` chunks per device: Megatron-LM's warm-up count
+      (``megatron/core/pipeline_parallel/schedules.py``,
+      ``forward_backward_pipelining_with_interleaving``), ``w = 2 (p - i - 1) + (v - 1) p``
+      chunk-forwards, plus the one in progress, each ``1/v`` of the stage:
+      ``min(w + 1, m v) / v``. For stage 0 that is ``p (1 + (p - 1) / (p v))``, the factor of
+      Korthikanti et al. 2022, Sec. 4.2.3.
+    """
+    p, m, v, i = stages, microbatches, chunks, stage
+    if min(p, m, v) < 1 or not 0 <= i < p:
+        raise UsageError(f"pipeline of {p} stages, {m} microbatches, {v} chunks has no stage {i}")
+    if schedule == "none":
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b" or (schedule == "interleaved" and v == 1):
+        return float(min(p - i, m))
+    if schedule == "interleaved":
+        warmup = 2 * (p - i - 1) + (v - 1) * p
+        return min(warmup + 1, m * v) / v
+    raise UsageError(
+        f"unknown pipeline schedule {schedule!r}; one of none, gpipe, 1f1b, interleaved"
+    )
+
+
+def activation_memory(
+    per_microbatch: float,
+    *,
+    schedule: str = "none",
+    stages: int = 1,
+    stage: int = 0,
+    microbatches: int = 1,
+    chunks: int = 1,
+    transient: float = 0.0,
+) -> float:
+    """Peak activation bytes of a stage: ``per_microbatch x in-flight + transient``."""
+    held = microbatches_in_flight(schedule, stages, stage, microbatches, chunks)
+    return per_microbatch * held + transient
+
+
+def device_memory(model_states: MemoryBreakdown, activations: float) -> MemoryBreakdown:
+    """``model_states`` plus ``activations``, with the total filled in."""
+    return MemoryBreakdown(
+        params=model_states.params,
+        grads=model_states.grads,
+        optimizer=model_states.optimizer,
+        activations=activations,
+        total=model_states.params + model_states.grads + model_states.optimizer + activations,
+    )
