@@ -1,0 +1,46 @@
+"""Local steps the lowering emits that need no communication, only the device's coordinates.
+
+The lowered per-rank code calls these as plain functions with the rank's coordinates baked
+in as constants, so ``autopar codegen --rank r`` shows exactly what rank ``r`` runs. Each is
+differentiable: autograd derives its backward (the adjoint of a slice is a zero-pad, etc.).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def shard_slice(x: torch.Tensor, dim: int, index: int, pieces: int) -> torch.Tensor:
+    """Replicate -> Shard(dim): keep piece ``index`` of ``pieces`` equal pieces along ``dim``."""
+    size = x.shape[dim] // pieces
+    return x.narrow(dim, index * size, size)
+
+
+def zero_unless_first(x: torch.Tensor, index: int) -> torch.Tensor:
+    """Replicate -> Partial: the first device on the axis keeps the value, the others zeros."""
+    return x if index == 0 else torch.zeros_like(x)
+
+
+def zero_pad(x: torch.Tensor, dim: int, index: int, pieces: int) -> torch.Tensor:
+    """Shard(dim) -> Partial: put the shard in its place in a zero tensor of the full size."""
+    size = x.shape[dim]
+    before, after = index * size, (pieces - 1 - index) * size
+    pad = [0, 0] * (x.dim() - 1 - dim) + [before, after]
+    return torch.nn.functional.pad(x, pad)
+
+
+def scale(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """Multiply by a constant (a mean over a sharded dim becomes a partial sum)."""
+    return x * factor
+
+
+def vocab_parallel_embedding(
+    weight: torch.Tensor, indices: torch.Tensor, start: int, end: int
+) -> torch.Tensor:
+    """Embedding with the table's rows ``[start, end)`` on this device (Megatron's
+    vocabulary-parallel embedding): rows it does not hold give zeros; the sum over the axis
+    is the full lookup (a ``Partial`` output)."""
+    inside = (indices >= start) & (indices < end)
+    local = torch.where(inside, indices - start, torch.zeros_like(indices))
+    rows = torch.nn.functional.embedding(local, weight)
+    return rows * inside.unsqueeze(-1).to(rows.dtype)

@@ -1,0 +1,47 @@
+"""The rule table: every ATen op autopar can shard, one small function each, by family.
+
+Each family module exports ``RULES`` (op -> rule) and may export ``LOCALS`` (special local
+kinds its strategies use, see ``passes.strategies.localize``). This file only merges them;
+a new op is one function in the right family file and one line in its ``RULES``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import cache
+from types import MappingProxyType
+
+from passes.strategies import (
+    attention,
+    embedding,
+    loss,
+    matmul,
+    norm,
+    pointwise,
+    reduction,
+    view,
+)
+from passes.strategies.types import LocalKind, Rule
+
+FAMILIES = (matmul, pointwise, view, reduction, norm, attention, embedding, loss)
+
+
+@cache
+def rules() -> Mapping[object, Rule]:
+    """Op -> rule, over all families (read-only)."""
+    merged: dict[object, Rule] = {}
+    for family in FAMILIES:
+        for op, rule in family.RULES.items():
+            if op in merged:
+                raise ValueError(f"{op} has rules in two families")
+            merged[op] = rule
+    return MappingProxyType(merged)
+
+
+@cache
+def local_kinds() -> Mapping[str, LocalKind]:
+    """Special local kind name -> how a device runs it (read-only)."""
+    merged: dict[str, LocalKind] = {}
+    for family in FAMILIES:
+        merged.update(getattr(family, "LOCALS", {}))
+    return MappingProxyType(merged)
