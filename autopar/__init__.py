@@ -4,12 +4,16 @@ The public surface, in the order a user meets it:
 
 - ``Mesh(shape, axis_names, device="h100-sxm")``: a logical device mesh; ``Mesh.cluster``
   for nodes x GPUs. Needs no processes until ``mesh.init()``.
+- ``plan(model, mesh, example_inputs, ...)``: decide, offline, how to shard the model; a
+  ``Plan`` (layouts, estimate, solver report) that saves to JSON/YAML.
+- ``compile(model, mesh, ...)``: on every rank of a job, the model sharded as planned.
 - ``trace(model, example_inputs)``: the model as an annotated ATen graph.
 - Errors: every mistake a user can fix raises a subclass of ``AutoparError`` whose message
   says what to change.
 """
 
 from autopar._version import __version__
+from autopar.api import compile, plan
 from autopar.mesh import Mesh
 from passes.trace import TracedModel, trace
 from plans import (
@@ -45,7 +49,9 @@ __all__ = [
     "UntraceableModelError",
     "UsageError",
     "__version__",
+    "compile",
     "load_plan",
+    "plan",
     "save_plan",
     "trace",
 ]

@@ -17,8 +17,12 @@ def shard_slice(x: torch.Tensor, dim: int, index: int, pieces: int) -> torch.Ten
 
 
 def zero_unless_first(x: torch.Tensor, index: int) -> torch.Tensor:
-    """Replicate -> Partial: the first device on the axis keeps the value, the others zeros."""
-    return x if index == 0 else torch.zeros_like(x)
+    """Replicate -> Partial: the first device on the axis keeps the value, the others zeros.
+
+    A multiplication rather than a branch keeps every device's autograd graph the same
+    shape (the others' gradient is zero, not absent), so gradient hooks fire alike.
+    """
+    return x * (1.0 if index == 0 else 0.0)
 
 
 def zero_pad(x: torch.Tensor, dim: int, index: int, pieces: int) -> torch.Tensor:
@@ -44,3 +48,29 @@ def vocab_parallel_embedding(
     local = torch.where(inside, indices - start, torch.zeros_like(indices))
     rows = torch.nn.functional.embedding(local, weight)
     return rows * inside.unsqueeze(-1).to(rows.dtype)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, factor: float
+    ) -> torch.Tensor:
+        ctx.factor = factor  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None  # type: ignore[attr-defined]
+
+
+def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """Identity forward; multiplies the gradient by ``factor``.
+
+    At the module's outputs: every device receives the same full gradient from the user's
+    loss, but inside the module a gradient is held as summands (each device's local backward
+    computes its part, and the parts add up across the mesh). Dividing by the number of
+    devices turns the one into the other.
+    """
+    return _ScaleGrad.apply(x, factor)

@@ -34,6 +34,7 @@ from torch import nn
 
 from passes.annotate import annotate_graph
 from passes.annotation import META_KEY, NodeAnnotation, NodeKind, TensorInfo
+from passes.decompose import decompose_for_sharding
 from passes.layers import LayerContainer, find_layer_container, module_path
 from plans.errors import UntraceableModelError, UsageError
 
@@ -139,6 +140,7 @@ def trace(
         args, kwargs = _to_meta((args, kwargs))
     start = time.perf_counter()
     exported = _export(model, args, kwargs)
+    decompose_for_sharding(exported.graph_module)
     signature = exported.graph_signature
     names_of = _tied_names(model)
     placeholder_kinds: dict[str, tuple[NodeKind, str | None]] = {}

@@ -84,8 +84,10 @@ def _check_strategy(
 ) -> list[Failure]:
     inputs = _tensors(args) + _tensors(kwargs)
     generator = torch.Generator().manual_seed(seed)
-    summands = [_summands(t, layout, mesh_shape, generator)
-                for t, layout in zip(inputs, strategy.inputs, strict=True)]
+    summands = [
+        _summands(t, layout, mesh_shape, generator)
+        for t, layout in zip(inputs, strategy.inputs, strict=True)
+    ]
     outputs: dict[tuple[int, ...], list[torch.Tensor]] = {}
     for coords in itertools.product(*(range(n) for n in mesh_shape)):
         local_inputs = [
@@ -96,7 +98,7 @@ def _check_strategy(
         try:
             fn, a, k = localize(call, strategy, local_args, local_kwargs, coords, mesh_shape)
             outputs[coords] = _tensors(fn(*a, **k))
-        except Exception as error:  # noqa: BLE001 - a failing local call is a rule failure
+        except Exception as error:
             return [Failure(strategy.name, coords, f"{type(error).__name__}: {error}")]
     failures = []
     for index, (want, layout) in enumerate(zip(expected, strategy.outputs, strict=True)):
@@ -105,15 +107,23 @@ def _check_strategy(
         except AssertionError as error:
             failures.append(Failure(strategy.name, None, f"output {index}: {error}"))
             continue
-        if got.shape != want.shape or not torch.allclose(got, want, atol=atol, rtol=rtol,
-                                                         equal_nan=True):
-            failures.append(Failure(strategy.name, None, f"output {index} differs from the "
-                                    f"unsharded op (shape {tuple(got.shape)} vs {tuple(want.shape)})"))
+        if got.shape != want.shape or not torch.allclose(
+            got, want, atol=atol, rtol=rtol, equal_nan=True
+        ):
+            failures.append(
+                Failure(
+                    strategy.name,
+                    None,
+                    f"output {index} differs from the "
+                    f"unsharded op (shape {tuple(got.shape)} vs {tuple(want.shape)})",
+                )
+            )
     return failures
 
 
-def _summands(tensor: torch.Tensor, layout: Layout, mesh_shape: tuple[int, ...],
-              generator: torch.Generator) -> dict[tuple[int, ...], torch.Tensor]:
+def _summands(
+    tensor: torch.Tensor, layout: Layout, mesh_shape: tuple[int, ...], generator: torch.Generator
+) -> dict[tuple[int, ...], torch.Tensor]:
     """For each combination of coordinates on the partial axes, that device's summand."""
     partial_axes = [a for a, p in enumerate(layout) if isinstance(p, Partial)]
     if not partial_axes or not tensor.is_floating_point():
@@ -128,8 +138,12 @@ def _summands(tensor: torch.Tensor, layout: Layout, mesh_shape: tuple[int, ...],
     return pieces
 
 
-def _local_piece(summands: dict[tuple[int, ...], torch.Tensor], layout: Layout,
-                 coords: tuple[int, ...], mesh_shape: tuple[int, ...]) -> torch.Tensor:
+def _local_piece(
+    summands: dict[tuple[int, ...], torch.Tensor],
+    layout: Layout,
+    coords: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+) -> torch.Tensor:
     partial_axes = [a for a, p in enumerate(layout) if isinstance(p, Partial)]
     key = tuple(coords[a] for a in partial_axes) if len(summands) > 1 else ()
     piece = summands[key]
@@ -139,14 +153,22 @@ def _local_piece(summands: dict[tuple[int, ...], torch.Tensor], layout: Layout,
     return piece.contiguous()
 
 
-def _assemble(outputs: dict[tuple[int, ...], list[torch.Tensor]], index: int, layout: Layout,
-              mesh_shape: tuple[int, ...], prefix: tuple[int, ...], atol: float,
-              rtol: float) -> torch.Tensor:
+def _assemble(
+    outputs: dict[tuple[int, ...], list[torch.Tensor]],
+    index: int,
+    layout: Layout,
+    mesh_shape: tuple[int, ...],
+    prefix: tuple[int, ...],
+    atol: float,
+    rtol: float,
+) -> torch.Tensor:
     axis = len(prefix)
     if axis == len(mesh_shape):
         return outputs[prefix][index]
-    parts = [_assemble(outputs, index, layout, mesh_shape, (*prefix, c), atol, rtol)
-             for c in range(mesh_shape[axis])]
+    parts = [
+        _assemble(outputs, index, layout, mesh_shape, (*prefix, c), atol, rtol)
+        for c in range(mesh_shape[axis])
+    ]
     placement = layout[axis]
     if isinstance(placement, Shard):
         return torch.cat(parts, dim=placement.dim)

@@ -1,0 +1,234 @@
+"""``autopar.plan`` and ``autopar.compile``: the two ways in.
+
+``plan`` works offline, with no processes and no weights (a model on the ``meta`` device
+is fine): trace, choose strategies, estimate. ``compile`` does the same on every rank of a
+running job (planning once, on rank 0, and sharing the plan), then lowers the plan into
+the rank's module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.force import style_constraints
+from autopar.mesh import Mesh
+from passes.plan_build import build_plan
+from passes.solve import SolveRequest, solve_sharding
+from passes.trace import TracedModel, trace
+from plans.errors import UsageError
+from plans.io import load_plan, plan_from_dict
+from plans.mesh import MeshSpec
+from plans.plan import Plan
+from plans.units import parse_bytes
+
+
+def plan(
+    model: nn.Module,
+    mesh: MeshSpec,
+    example_inputs: Sequence[Any],
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    global_batch: int | None = None,
+    memory_limit: str | int | float | None = None,
+    optimizer: str = "adamw",
+    precision: str = "fp32",
+    force: str | None = None,
+    time_limit: float = 60.0,
+    name: str | None = None,
+) -> Plan:
+    """Plan ``model`` on ``mesh`` for batches shaped like ``example_inputs``.
+
+    ``global_batch`` (default: the example's batch) is the batch per optimizer step; it is
+    run as ``global_batch / example batch`` microbatches with gradient accumulation.
+    ``memory_limit`` per device defaults to the preset's memory. ``force`` names a parallel
+    style (``autopar.force.STYLES``) to impose on the solver.
+    """
+    return _plan(
+        model,
+        mesh,
+        example_inputs,
+        example_kwargs,
+        global_batch,
+        memory_limit,
+        optimizer,
+        precision,
+        force,
+        time_limit,
+        name,
+    )[0]
+
+
+def _plan(
+    model: nn.Module,
+    mesh: MeshSpec,
+    example_inputs: Sequence[Any],
+    example_kwargs: dict[str, Any] | None,
+    global_batch: int | None,
+    memory_limit: str | int | float | None,
+    optimizer: str,
+    precision: str,
+    force: str | None,
+    time_limit: float,
+    name: str | None,
+) -> tuple[Plan, TracedModel]:
+    from cost_model.hardware import load_preset
+
+    if not isinstance(mesh, MeshSpec):
+        raise UsageError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
+    preset = load_preset(mesh.device)
+    traced = trace(model, example_inputs, example_kwargs)
+    batch = _batch_size(traced)
+    global_batch = global_batch or batch
+    if global_batch % batch:
+        raise UsageError(
+            f"global_batch={global_batch} is not a multiple of the example "
+            f"inputs' batch ({batch}); pass a multiple or other example inputs"
+        )
+    limit = float(parse_bytes(memory_limit)) if memory_limit is not None else preset.memory_bytes
+    constraints = style_constraints(force, mesh) if force else []
+    solved = solve_sharding(
+        traced, SolveRequest(mesh, limit, optimizer, precision, time_limit, constraints)
+    )
+    result = build_plan(
+        traced,
+        solved,
+        model=name or type(model).__name__,
+        global_batch=global_batch,
+        microbatch_size=batch,
+        memory_limit=limit,
+    )
+    return result, traced
+
+
+def _batch_size(traced: TracedModel) -> int:
+    for node in traced.graph.nodes:
+        if node.name in traced.user_inputs:
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.dim() > 0:
+                return int(val.shape[0])
+    return 1
+
+
+class LazyCompiled(nn.Module):
+    """Plans on the first call, from the real inputs' shapes, like ``torch.compile``."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, options: dict[str, Any]) -> None:
+        super().__init__()
+        self._model = [model]  # a list: not registered as a submodule
+        self._mesh = mesh
+        self._options = options
+        self.compiled: nn.Module | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compiled is None:
+            self.compiled = _build(self._model[0], self._mesh, args, kwargs, self._options)
+        return self.compiled(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True) -> Any:  # type: ignore[override]
+        if self.compiled is None:
+            raise UsageError(
+                "the compiled model is planned on its first call; call it once "
+                "(or pass example_inputs= to autopar.compile) before building "
+                "the optimizer"
+            )
+        return self.compiled.parameters(recurse)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            compiled = self.__dict__.get("_modules", {}).get("compiled")
+            if compiled is None:
+                raise
+            return getattr(compiled, name)
+
+
+def compile(
+    model: nn.Module,
+    mesh: Mesh,
+    *,
+    example_inputs: Sequence[Any] | None = None,
+    plan: Plan | str | Path | None = None,
+    **options: Any,
+) -> nn.Module:
+    """Shard ``model`` over ``mesh`` on every rank of a running job.
+
+    With ``example_inputs`` or a saved ``plan`` it is built now; otherwise on the first
+    call. ``options`` go to ``autopar.plan`` (memory_limit, optimizer, precision, force,
+    global_batch, time_limit).
+    """
+    if not isinstance(mesh, Mesh):
+        mesh = Mesh.from_spec(mesh)
+    options = dict(options, plan=plan)
+    if example_inputs is not None:
+        return _build(model, mesh, tuple(example_inputs), {}, options)
+    return LazyCompiled(model, mesh, options)
+
+
+def _build(
+    model: nn.Module,
+    mesh: Mesh,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    options: dict[str, Any],
+) -> nn.Module:
+    from autopar.runtime.compiled import CompiledModel
+
+    device_mesh = mesh.init()
+    cuda = mesh.runtime_device_type() == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    given = options.pop("plan", None)
+    example_kwargs = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+    if given is not None:
+        chosen = given if isinstance(given, Plan) else load_plan(given)
+        traced = trace(model, args, example_kwargs)
+    else:
+        chosen, traced = _plan_on_rank0(model, mesh, args, example_kwargs, options)
+    _seed_alike()
+    return CompiledModel(model, traced, chosen, device_mesh, device)
+
+
+def _plan_on_rank0(
+    model: nn.Module,
+    mesh: Mesh,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    options: dict[str, Any],
+) -> tuple[Plan, TracedModel]:
+    """Rank 0 plans; every rank receives the same plan (a solver's time limit could make
+    ranks disagree) and traces for its own lowering."""
+    payload: list[Any] = [None]
+    traced: TracedModel | None = None
+    if dist.get_rank() == 0:
+        made, traced = _plan(
+            model,
+            mesh,
+            args,
+            kwargs,
+            options.get("global_batch"),
+            options.get("memory_limit"),
+            options.get("optimizer", "adamw"),
+            options.get("precision", "fp32"),
+            options.get("force"),
+            options.get("time_limit", 60.0),
+            options.get("name"),
+        )
+        payload[0] = made.model_dump(mode="json")
+    dist.broadcast_object_list(payload, src=0)
+    chosen = plan_from_dict(payload[0], "<plan from rank 0>")
+    if traced is None:
+        traced = trace(model, args, kwargs)
+    return chosen, traced
+
+
+def _seed_alike() -> None:
+    """Every rank seeds torch's RNG alike, so replicated random ops agree (dropout policy)."""
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    dist.broadcast(seed, src=0)
+    torch.manual_seed(int(seed.item()))

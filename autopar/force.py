@@ -1,0 +1,82 @@
+"""Named parallel styles as constraints on the solver (for tests, demos and comparisons).
+
+Forcing a style goes through the solver's one constraint mechanism (``passes.solve``): each
+style is a predicate on (node, strategy); the ILP then completes the plan around it. The
+styles name the mesh axes they use: ``dp`` for the data-parallel axes and ``tp`` for the
+tensor-parallel one (by default the last axis is ``tp`` and the others ``dp``).
+
+- ``dp``: every parameter replicated; every matmul takes its activation batch-sharded over
+  every axis (plain data parallelism).
+- ``fsdp``: every parameter that can be sharded is stored sharded on the data axes (ZeRO-3)
+  and matmuls take the batch sharded on them.
+- ``tp``: matmul weights sharded on the tp axis (Megatron's column and row splits; which one
+  is up to the solver), replicated on the data axes; the batch sharded on the data axes;
+  the residual stream replicated on the tp axis.
+- ``tp+sp``: as ``tp``, but the residual stream (3-d adds) sharded on the sequence dim over
+  the tp axis (Megatron's sequence parallelism).
+"""
+
+from __future__ import annotations
+
+from passes.plan_build import MATMULS
+from passes.solve import Constraint
+from passes.strategies.graph import NodeChoices
+from passes.strategies.types import Strategy
+from plans.errors import UsageError
+from plans.mesh import MeshSpec
+from plans.placement import Replicate, Shard
+
+STYLES = ("dp", "fsdp", "tp", "tp+sp")
+
+
+def style_constraints(style: str, mesh: MeshSpec, tp_axis: int | None = None) -> list[Constraint]:
+    """The constraints that force ``style`` on ``mesh``."""
+    if style not in STYLES:
+        raise UsageError(f"unknown parallel style {style!r}; one of {', '.join(STYLES)}")
+    axes = list(range(mesh.ndim))
+    tp = (mesh.ndim - 1 if tp_axis is None else tp_axis) if style.startswith("tp") else None
+    dp_axes = [a for a in axes if a != tp]
+
+    def batch_sharded(strategy: Strategy) -> bool:
+        first = strategy.inputs[0]
+        return all(isinstance(first[a], Shard) and first[a].dim == 0 for a in dp_axes)
+
+    def rule(node: str, choices: NodeChoices, strategy: Strategy) -> bool:
+        note = choices.note
+        if choices.kind == "param":
+            layout = strategy.outputs[0]
+            if style == "dp":
+                return layout.is_replicated
+            if style == "fsdp":
+                sharded = all(isinstance(layout[a], Shard) for a in dp_axes)
+                return sharded or not _can_shard(choices, mesh, dp_axes)
+            assert tp is not None
+            on_dp = all(isinstance(layout[a], Replicate) for a in dp_axes)
+            if note is not None and len(note.outputs[0].shape) >= 2 and mesh.shape[tp] > 1:
+                return on_dp and isinstance(layout[tp], Shard)
+            return on_dp
+        if note is None or choices.kind != "op":
+            return True
+        if note.op in MATMULS and strategy.inputs:
+            if not batch_sharded(strategy):
+                return False
+            if style in ("dp", "fsdp"):
+                weight_ok = all(
+                    isinstance(strategy.inputs[i][a], Replicate)
+                    for i in range(1, len(strategy.inputs))
+                    for a in dp_axes
+                )
+                return weight_ok and all(isinstance(strategy.inputs[0][a], Shard) for a in axes)
+            return True
+        if tp is not None and note.op == "aten.add.Tensor" and len(note.outputs[0].shape) == 3:
+            out = strategy.outputs[0][tp]
+            if style == "tp+sp":
+                return isinstance(out, Shard) and out.dim == 1
+            return isinstance(out, Replicate)
+        return True
+
+    return [rule]
+
+
+def _can_shard(choices: NodeChoices, mesh: MeshSpec, dp_axes: list[int]) -> bool:
+    return any(all(isinstance(s.outputs[0][a], Shard) for a in dp_axes) for s in choices.strategies)

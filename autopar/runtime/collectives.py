@@ -1,0 +1,162 @@
+"""Autograd-aware collectives on one mesh axis, as modules the lowered graph calls.
+
+Each collective's backward is its adjoint, so that the local backward of the lowered graph
+computes each device's summand of every gradient (``passes.lower_spmd``):
+
+==================  ===================  ==============================
+module              forward              backward (adjoint)
+==================  ===================  ==============================
+AllGather(dim)      Shard(dim) -> R      reduce-scatter of the gradient
+ReduceScatter(dim)  P -> Shard(dim)      all-gather of the gradient
+AllReduce           P -> R               all-reduce of the gradient
+AllToAll(src, dst)  Shard(src) -> (dst)  all-to-all back
+==================  ===================  ==============================
+
+gloo has no reduce-scatter, and its all-to-all wants lists; on gloo both are built from
+the collectives it has (all-reduce then a local slice; all-gather then a local slice). They
+move more bytes but give the same values, which is what CPU tests need.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+Group = dist.ProcessGroup
+
+
+def _gloo(group: Group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    x = x.contiguous()
+    if _gloo(group):
+        parts = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts, dim=dim)
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if _gloo(group):
+        total = x.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total.chunk(n, dim=dim)[rank].contiguous()
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: Group) -> torch.Tensor:
+    """Shard(src_dim) -> Shard(dst_dim): split ``dst_dim`` into n pieces, send piece j to
+    device j, concatenate what arrives along ``src_dim``."""
+    n = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if _gloo(group):
+        whole = all_gather(x, src_dim, group)
+        return whole.chunk(n, dim=dst_dim)[rank].contiguous()
+    sends = [p.contiguous() for p in x.chunk(n, dim=dst_dim)]
+    receives = [torch.empty_like(sends[0]) for _ in range(n)]
+    dist.all_to_all(receives, sends, group=group)
+    return torch.cat(receives, dim=src_dim)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return all_reduce(grad, ctx.group), None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, src: int, dst: int, group: Group) -> torch.Tensor:
+        ctx.src, ctx.dst, ctx.group = src, dst, group
+        return all_to_all(x, src, dst, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return all_to_all(grad, ctx.dst, ctx.src, ctx.group), None, None, None
+
+
+class Collective(nn.Module):
+    """A collective over one mesh axis; the lowered graph calls it as a submodule."""
+
+    def __init__(self, group: Group, axis_name: str) -> None:
+        super().__init__()
+        self.group = group
+        self.axis_name = axis_name
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis_name!r}, devices={dist.get_world_size(self.group)}"
+
+
+class AllGather(Collective):
+    def forward(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return _AllGather.apply(x, dim, self.group)
+
+
+class ReduceScatter(Collective):
+    def forward(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return _ReduceScatter.apply(x, dim, self.group)
+
+
+class AllReduce(Collective):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _AllReduce.apply(x, self.group)
+
+
+class AllToAll(Collective):
+    def forward(self, x: torch.Tensor, src_dim: int, dst_dim: int) -> torch.Tensor:
+        return _AllToAll.apply(x, src_dim, dst_dim, self.group)
+
+
+MODULES: dict[str, type[Collective]] = {
+    "all_gather": AllGather,
+    "reduce_scatter": ReduceScatter,
+    "all_reduce": AllReduce,
+    "all_to_all": AllToAll,
+}

@@ -1,0 +1,109 @@
+"""Data-parallel gradient synchronisation: bucketed, overlapped with backward.
+
+A parameter replicated over some mesh axes has, after the local backward, a *partial*
+gradient there: each device holds its summand (its share of the batch, or of the sharded
+computation that used the parameter). Summing over those axes gives the true gradient.
+
+As DDP does, parameters are grouped into buckets of about ``bucket_bytes`` in reverse order
+of registration (the order backward produces their gradients); when the last gradient of a
+bucket is accumulated (``register_post_accumulate_grad_hook``), the bucket's flattened
+gradient is all-reduced asynchronously while backward goes on. A callback queued on the
+autograd engine waits for every bucket and copies the sums back before ``backward``
+returns, so the optimizer sees synchronised gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    groups: tuple[dist.ProcessGroup, ...]
+    ready: int = 0
+    handles: list[Any] = field(default_factory=list)
+    flat: torch.Tensor | None = None
+
+
+class GradientSync:
+    """Sums each parameter's gradient over the mesh axes that replicate it."""
+
+    def __init__(
+        self,
+        params: Sequence[tuple[nn.Parameter, tuple[dist.ProcessGroup, ...]]],
+        bucket_bytes: int = 25 * 2**20,
+    ) -> None:
+        self.buckets: list[_Bucket] = []
+        by_groups: dict[tuple[int, ...], list[nn.Parameter]] = {}
+        groups_of: dict[tuple[int, ...], tuple[dist.ProcessGroup, ...]] = {}
+        for param, groups in reversed(list(params)):
+            if not groups:
+                continue
+            key = tuple(id(g) for g in groups)
+            by_groups.setdefault(key, []).append(param)
+            groups_of[key] = groups
+        for key, members in by_groups.items():
+            current: list[nn.Parameter] = []
+            size = 0
+            for param in members:
+                current.append(param)
+                size += param.numel() * param.element_size()
+                if size >= bucket_bytes:
+                    self.buckets.append(_Bucket(current, groups_of[key]))
+                    current, size = [], 0
+            if current:
+                self.buckets.append(_Bucket(current, groups_of[key]))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._queued = False
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad)
+            for b in self.buckets
+            for p in b.params
+        ]
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        bucket = self._bucket_of[id(param)]
+        bucket.ready += 1
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._queued = True
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+        # The first axis overlaps with backward; further axes (rare) follow at the end.
+        bucket.handles = [dist.all_reduce(bucket.flat, group=bucket.groups[0], async_op=True)]
+
+    def _finish(self) -> None:
+        for bucket in self.buckets:
+            if bucket.ready and bucket.flat is None:
+                self._launch(bucket)  # a parameter unused in this step left it incomplete
+            for handle in bucket.handles:
+                handle.wait()
+            if bucket.flat is not None:
+                for group in bucket.groups[1:]:
+                    dist.all_reduce(bucket.flat, group=group)
+                offset = 0
+                for param in bucket.params:
+                    numel = param.numel()
+                    synced = bucket.flat[offset : offset + numel].view_as(param)
+                    if param.grad is None:
+                        param.grad = synced.clone()
+                    else:
+                        param.grad.copy_(synced)
+                    offset += numel
+            bucket.ready, bucket.handles, bucket.flat = 0, [], None
+        self._queued = False
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()

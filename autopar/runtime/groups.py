@@ -1,0 +1,40 @@
+"""Process groups per mesh axis, made again for gradient synchronisation.
+
+The lowered graph's collectives run on the ``DeviceMesh``'s groups, in graph order on
+every rank. Gradient synchronisation runs asynchronously from autograd hooks, whose timing
+relative to the graph's own backward collectives may differ between ranks; on one shared
+group the two streams of collectives could interleave differently on different ranks (a
+deadlock, or gloo's "collective mismatch"). So gradient sync gets groups of its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch.distributed as dist
+
+from plans.mesh import MeshSpec
+
+
+def axis_groups(mesh: MeshSpec) -> list[dist.ProcessGroup | None]:
+    """For each mesh axis, a new group holding this rank and the ranks along that axis.
+
+    Every rank creates every group (``new_group`` is collective), in the same order.
+    """
+    rank = dist.get_rank()
+    mine: list[dist.ProcessGroup | None] = [None] * mesh.ndim
+    strides = [1] * mesh.ndim
+    for axis in reversed(range(mesh.ndim - 1)):
+        strides[axis] = strides[axis + 1] * mesh.shape[axis + 1]
+    for axis in range(mesh.ndim):
+        others = [range(size) for a, size in enumerate(mesh.shape) if a != axis]
+        for fixed in itertools.product(*others):
+            ranks = []
+            for i in range(mesh.shape[axis]):
+                coords = list(fixed)
+                coords.insert(axis, i)
+                ranks.append(sum(c * s for c, s in zip(coords, strides, strict=True)))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[axis] = group
+    return mine

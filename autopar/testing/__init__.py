@@ -1,0 +1,1 @@
+"""Helpers for running autopar on several local processes (tests, demo, benchmarks)."""

@@ -1,0 +1,79 @@
+"""Run a function on N local processes joined by a gloo process group.
+
+>>> results = run_ranks(work, world_size=4, args=("gpt-tiny",))   # doctest: +SKIP
+
+``work(rank, world_size, *args)`` runs in each process after ``init_process_group``; its
+return value (picklable) comes back in rank order. A failure in any rank raises here with
+that rank's traceback text. Processes are started with ``spawn`` so each is a clean
+interpreter, as under ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    outdir: str,
+    work: Callable[..., Any],
+    args: Sequence[Any],
+) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    path = os.path.join(outdir, f"rank{rank}.pt")
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+        result = work(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, path)
+    except BaseException:
+        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(work: Callable[..., Any], world_size: int, args: Sequence[Any] = ()) -> list[Any]:
+    """Run ``work`` on ``world_size`` gloo ranks; return their results in rank order."""
+    with tempfile.TemporaryDirectory() as outdir:
+        port = free_port()
+        # a failing rank's own traceback is in its file; read below
+        with contextlib.suppress(mp.ProcessRaisedException, mp.ProcessExitedException):
+            mp.start_processes(
+                _entry,
+                args=(world_size, port, outdir, work, tuple(args)),
+                nprocs=world_size,
+                join=True,
+                start_method="spawn",
+            )
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(outdir, f"rank{rank}.pt")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {rank} died without a result")
+            record = torch.load(path, weights_only=False)
+            if not record["ok"]:
+                raise RuntimeError(f"rank {rank} failed:\n{record['error']}")
+            results.append(record["result"])
+        return results

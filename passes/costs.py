@@ -1,0 +1,179 @@
+"""Costs of strategies, edges and parameter layouts: what the ILP's coefficients are.
+
+Reads the node annotations and a ``MeshCost`` (mesh + preset); every number is seconds per
+training step per device, or bytes per device.
+
+- **Op compute** (fwd, bwd): roofline time of the annotated FLOPs and bytes divided by the
+  strategy's ``split`` (the devices that share the work), in the policy's compute dtype.
+- **Edge** (producer layout -> layout the consumer needs): the reshard's collectives forward,
+  and for tensors that need a gradient, the adjoint collectives backward. The gradient of a
+  replicated value is partial and vice versa (each device's local backward produces its
+  summand), so the adjoint of ``src -> dst`` is ``dual(dst) -> dual(src)`` with R and P
+  swapped: an all-gather's adjoint is a reduce-scatter, an all-reduce's an all-reduce, a
+  slice's a free zero-pad.
+- **Activation memory** of an op: its saved-for-backward bytes divided by its output
+  layout's shard factor (owner attribution, see ``passes.annotate``).
+- **Parameters**: value, gradient and optimizer-state bytes under the optimizer and
+  precision policy, each divided by its layout; gradient synchronisation: the gradient of
+  a parameter replicated over mesh axes is partial over them and is all-reduced there
+  (reduce-scattered under ZeRO-1/2, plus an all-gather of the updated shard after the step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from cost_model.collectives import MeshCost
+from cost_model.compute import op_time
+from cost_model.memory import param_state_bytes, precision_policy
+from passes.annotation import NodeAnnotation, TensorInfo
+from passes.strategies.types import Strategy
+from plans.placement import PARTIAL, REPLICATE, Layout, Partial, Replicate, Shard
+
+
+def dual(layout: Layout) -> Layout:
+    """The layout of the gradient of a tensor in ``layout``: R and P swap, S stays."""
+    return Layout(
+        *(
+            PARTIAL if isinstance(p, Replicate) else REPLICATE if isinstance(p, Partial) else p
+            for p in layout
+        )
+    )
+
+
+@dataclass(frozen=True)
+class ParamCost:
+    """What one storage layout of one parameter costs."""
+
+    params: float
+    grads: float
+    optimizer: float
+    sync_s: float  # gradient synchronisation, overlappable with backward
+
+    @property
+    def memory(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+@dataclass
+class CostModel:
+    """Coefficients for the ILP under one mesh, preset and training policy."""
+
+    mesh_cost: MeshCost
+    optimizer: str = "adamw"
+    precision: str = "fp32"
+    zero: int = 0  # ZeRO stage applied to replicated axes of parameters: 0, 1 or 2
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return self.mesh_cost.mesh.shape
+
+    @cached_property
+    def compute_dtype(self) -> str:
+        return {
+            "fp32": "float32",
+            "bf16_mixed": "bfloat16",
+            "fp16_mixed": "float16",
+            "bf16": "bfloat16",
+        }[self.precision]
+
+    @cached_property
+    def activation_scale(self) -> float:
+        """Float activations traced in fp32 shrink to the compute dtype's size."""
+        return precision_policy(self.precision).param / 4
+
+    def _bytes(self, info_dtype: str, nbytes: float) -> float:
+        return nbytes * self.activation_scale if info_dtype == "float32" else nbytes
+
+    def op_time(self, note: NodeAnnotation, strategy: Strategy) -> tuple[float, float]:
+        """(forward, backward) seconds of an op under ``strategy``."""
+        if note.kind == "view":
+            return 0.0, 0.0
+        dtype = self.compute_dtype
+        scale = self.activation_scale
+        split = max(strategy.split, 1)
+        fwd = op_time(
+            note.fwd_flops / split,
+            (note.bytes_read + note.bytes_written) * scale / split,
+            dtype,
+            self.mesh_cost.preset,
+        )
+        if not note.requires_grad:
+            return fwd, 0.0
+        bwd = op_time(
+            note.bwd_flops / split,
+            2 * (note.bytes_read + note.bytes_written) * scale / split,
+            dtype,
+            self.mesh_cost.preset,
+        )
+        return fwd, bwd
+
+    def activation_bytes(self, note: NodeAnnotation, strategy: Strategy) -> float:
+        """Saved-for-backward bytes per device of an op under ``strategy``."""
+        if note.saved_bytes == 0 or not strategy.outputs:
+            return 0.0
+        factor = strategy.outputs[0].shard_factor(self.mesh_shape)
+        dtype = note.outputs[0].dtype if note.outputs else "float32"
+        return self._bytes(dtype, note.saved_bytes) / factor
+
+    def edge_time(
+        self, info: TensorInfo, src: Layout, dst: Layout, requires_grad: bool
+    ) -> tuple[float, float]:
+        """(forward, backward) seconds to bring a tensor from ``src`` to ``dst``."""
+        if src == dst:
+            return 0.0, 0.0
+        itemsize = info.nbytes // max(info.numel, 1)
+        if info.dtype == "float32":
+            itemsize = max(1, round(itemsize * self.activation_scale))
+        fwd = self.mesh_cost.reshard(src, dst, info.shape, itemsize).time
+        if not requires_grad:
+            return fwd, 0.0
+        bwd = self.mesh_cost.reshard(dual(dst), dual(src), info.shape, itemsize).time
+        return fwd, bwd
+
+    def param_cost(self, info: TensorInfo, layout: Layout) -> ParamCost:
+        """Memory and gradient-sync time of a parameter stored in ``layout``."""
+        params, grads, optimizer = param_state_bytes(info.shape, self.optimizer, self.precision)
+        shard = layout.shard_factor(self.mesh_shape)
+        replicated = tuple(
+            a for a, p in enumerate(layout) if isinstance(p, Replicate) and self.mesh_shape[a] > 1
+        )
+        grad_bytes = grads / shard
+        zero_shard = 1
+        if self.zero and replicated:
+            zero_layout = zero_layout_of(layout, info.shape, self.mesh_shape)
+            zero_shard = zero_layout.shard_factor(self.mesh_shape) // shard
+        sync = 0.0
+        if replicated:
+            if self.zero:
+                sync = self.mesh_cost.reduce_scatter(
+                    grad_bytes, replicated
+                ) + self.mesh_cost.all_gather(params / shard, replicated)
+            else:
+                sync = self.mesh_cost.all_reduce(grad_bytes, replicated)
+        return ParamCost(
+            params=params / shard,
+            grads=grad_bytes / (zero_shard if self.zero >= 2 else 1),
+            optimizer=optimizer / shard / zero_shard,
+            sync_s=sync,
+        )
+
+
+def zero_layout_of(layout: Layout, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> Layout:
+    """The optimizer-state (ZeRO) layout of a parameter stored in ``layout``: every axis of
+    size > 1 that replicates it shards the largest dim that still divides evenly, preferring
+    dims no other axis shards (so each device's state is a piece of its own parameter shard,
+    whichever axis is outer)."""
+    placements = list(layout)
+    for axis, placement in enumerate(placements):
+        if not isinstance(placement, Replicate) or mesh_shape[axis] == 1:
+            continue
+        local = Layout(*placements).local_shape(shape, mesh_shape)
+        taken = {p.dim for p in placements if isinstance(p, Shard)}
+        dims = sorted(range(len(shape)), key=lambda d: (d in taken, -local[d]))
+        for dim in dims:
+            if local[dim] % mesh_shape[axis] == 0:
+                placements[axis] = Shard(dim)
+                break
+    return Layout(*placements)

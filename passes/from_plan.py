@@ -1,0 +1,78 @@
+"""Read a plan's decisions back onto a traced graph, for the lowering.
+
+The lowering always works from a ``plans.Plan`` (fresh from the solver or loaded from a
+file), so a saved plan and a new one take the same path. Each op's strategy is found among
+the candidates its rule offers by the layouts the plan recorded; a plan made for another
+model or mesh is refused with a message naming the first node that does not match.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from passes.annotation import META_KEY
+from passes.strategies.graph import graph_choices
+from passes.strategies.types import Strategy
+from passes.trace import TracedModel
+from plans.errors import PlanFileError
+from plans.placement import Layout
+from plans.plan import Plan
+
+
+class PlanLayouts:
+    """Strategy of every op and layout of every output, as a plan decided them."""
+
+    def __init__(self, traced: TracedModel, plan: Plan) -> None:
+        self.strategies: dict[str, Strategy] = {}
+        self.layouts: dict[tuple[str, int], Layout] = {}
+        mesh_shape = plan.mesh.shape
+        choices, _ = graph_choices(traced.graph, mesh_shape)
+        for info in traced.params.values():
+            if info.name not in plan.params:
+                raise PlanFileError(
+                    f"the plan has no layout for parameter {info.name!r}; "
+                    "it was made for another model"
+                )
+            for node in info.nodes:
+                self.layouts[(node, 0)] = plan.params[info.name].param
+        replicated = Layout.replicated(len(mesh_shape))
+        for node in traced.graph.nodes:
+            note = node.meta[META_KEY]
+            if node.op == "placeholder":
+                self.layouts.setdefault((node.name, 0), replicated)
+                continue
+            if node.op != "call_function" or not note.outputs:
+                continue
+            if node.target is operator.getitem:
+                parent = node.args[0]
+                self.layouts[(node.name, 0)] = self.layouts[(parent.name, int(node.args[1]))]
+                continue
+            recorded = plan.ops.get(node.name)
+            if recorded is None:
+                raise PlanFileError(
+                    f"the plan has no strategy for op {node.name} "
+                    f"({note.op}); it was made for another model"
+                )
+            strategy = next(
+                (
+                    s
+                    for s in choices[node.name].strategies
+                    if s.inputs == recorded.inputs and s.outputs[0] == recorded.output
+                ),
+                None,
+            )
+            if strategy is None:
+                raise PlanFileError(
+                    f"op {node.name} ({note.op}): the plan's strategy "
+                    f"{recorded.strategy} is not one this model offers; "
+                    "re-plan the model"
+                )
+            self.strategies[node.name] = strategy
+            for index, layout in enumerate(strategy.outputs):
+                self.layouts[(node.name, index)] = layout
+
+    def strategy(self, node: str) -> Strategy:
+        return self.strategies[node]
+
+    def layout(self, node: str, index: int = 0) -> Layout:
+        return self.layouts[(node, index)]

@@ -1,0 +1,274 @@
+"""The intra-op ILP: choose one strategy per decision, minimising step time under memory.
+
+Variables (``passes.decisions`` made them few):
+
+- ``s[d, k]`` binary: decision ``d`` takes choice ``k``; ``sum_k s[d, k] = 1``. Decisions
+  with one choice are constants, not variables.
+- ``e[edge, p, q]`` continuous >= 0, one per pair of *layout classes* of an edge: the
+  producer's choices grouped by the layout they give the tensor (``p``), the consumer's by
+  the layout they need it in (``q``). The resharding cost depends only on ``(p, q)``, and
+  the classes are far fewer than the choices (a matmul has ~50 strategies on a 2-D mesh but
+  its input arrives in ~10 layouts). The marginal constraints (Alpa's, on classes)
+  ``sum_q e[p, q] = sum_{k in p} s[d, k]`` and ``sum_p e[p, q] = sum_{l in q} s[d', l]``
+  make ``e`` the joint choice; their LP relaxation is tight on tree-shaped graphs, so
+  branch and bound has little to do.
+- ``t >= 0`` continuous: the overlappable communication (gradient sync, parameter
+  gathers) that the compute cannot hide, ``t >= sum(s . overlappable) - sum(s . hidden_by)``.
+
+Objective::
+
+    min  sum_d sum_k s[d,k] (compute[d,k] + comm[d,k])
+       + sum_edges sum_{p,q} R[p,q] e[p,q]
+       + t
+
+Constraints::
+
+    sum_k s[d,k] = 1                                 for every decision d
+    sum_q e[p,q] = sum_{k in p} s[d,k],  sum_p e[p,q] = sum_{l in q} s[d',l]   per edge
+    t >= sum s.overlappable - sum s.hidden_by
+    sum_d sum_k s[d,k] memory[d,k] <= memory limit   (bytes per device)
+    s[d,k] = 0 for k not in allowed[d]               (forced strategies and hints)
+
+HiGHS (through PuLP's highspy interface) solves it; CBC is the fallback. The status, time,
+gap and problem size are returned, never hidden.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pulp
+
+from plans.plan import SolverReport
+
+Matrix = dict[tuple[int, int], float]
+
+
+@dataclass
+class EdgeTerm:
+    """One edge between two decisions: choice -> class on each side, cost per class pair."""
+
+    left: str
+    right: str
+    left_class: tuple[int, ...]
+    right_class: tuple[int, ...]
+    cost: Matrix  # (p, q) -> seconds; missing pairs cost nothing
+    overlappable: bool = False
+
+
+@dataclass
+class IlpProblem:
+    """Coefficients per decision choice and per edge, as ``passes.solve`` builds them."""
+
+    choices: dict[str, int]  # decision -> number of choices
+    cost: dict[str, list[float]] = field(default_factory=dict)
+    memory: dict[str, list[float]] = field(default_factory=dict)
+    overlappable: dict[str, list[float]] = field(default_factory=dict)
+    hidden_by: dict[str, list[float]] = field(default_factory=dict)
+    edges: list[EdgeTerm] = field(default_factory=list)
+    allowed: dict[str, set[int]] = field(default_factory=dict)
+    memory_limit: float | None = None
+
+
+@dataclass
+class IlpSolution:
+    choice: dict[str, int]
+    report: SolverReport
+    feasible: bool
+
+
+def solve_ilp(problem: IlpProblem, time_limit: float = 60.0, backend: str = "highs") -> IlpSolution:
+    """Build and solve the ILP; ``feasible`` is False when no choice fits."""
+    start = time.perf_counter()
+    model = pulp.LpProblem("autopar", pulp.LpMinimize)
+    select: dict[str, list[pulp.LpVariable | float]] = {}
+    n_binary = 0
+    for name, count in problem.choices.items():
+        allowed = problem.allowed.get(name, set(range(count)))
+        if count == 1 or len(allowed) == 1:
+            (only,) = allowed if len(allowed) == 1 else (0,)
+            select[name] = [1.0 if k == only else 0.0 for k in range(count)]
+            continue
+        row = []
+        for k in range(count):
+            if k in allowed:
+                row.append(pulp.LpVariable(f"s_{len(select)}_{k}", cat=pulp.LpBinary))
+                n_binary += 1
+            else:
+                row.append(0.0)
+        select[name] = row
+        model += pulp.lpSum(v for v in row if not isinstance(v, float)) == 1
+
+    objective: list[object] = []
+    for name, row in select.items():
+        for k, value in enumerate(row):
+            coefficient = problem.cost.get(name, [0.0] * len(row))[k]
+            if coefficient:
+                objective.append(coefficient * value)
+
+    n_edge = 0
+    overlapped_edges: list[object] = []
+    for edge in problem.edges:
+        terms = overlapped_edges if edge.overlappable else objective
+        n_edge += _add_edge(model, edge, select[edge.left], select[edge.right], terms, n_edge)
+    exposed = pulp.LpVariable("exposed_comm", lowBound=0)
+    overlap_terms = [
+        coefficient * value
+        for name, row in select.items()
+        for k, value in enumerate(row)
+        if (coefficient := problem.overlappable.get(name, [0.0] * len(row))[k])
+    ]
+    hiding_terms = [
+        coefficient * value
+        for name, row in select.items()
+        for k, value in enumerate(row)
+        if (coefficient := problem.hidden_by.get(name, [0.0] * len(row))[k])
+    ]
+    model += exposed >= pulp.lpSum(overlap_terms + overlapped_edges) - pulp.lpSum(hiding_terms)
+    objective.append(exposed)
+
+    if problem.memory_limit is not None:
+        scale = 2.0**30  # GiB keeps the coefficients of one magnitude with the times
+        model += (
+            pulp.lpSum(
+                problem.memory[name][k] / scale * value
+                for name, row in select.items()
+                if name in problem.memory
+                for k, value in enumerate(row)
+                if problem.memory[name][k]
+            )
+            <= problem.memory_limit / scale
+        )
+    model += pulp.lpSum(objective)
+
+    status, used = _run(model, time_limit, backend)
+    elapsed = time.perf_counter() - start
+    feasible = status in ("Optimal", "Not Solved") and model.sol_status in (1, 2)
+    choice: dict[str, int] = {}
+    if feasible:
+        for name, row in select.items():
+            values = [v if isinstance(v, float) else (v.value() or 0.0) for v in row]
+            choice[name] = max(range(len(values)), key=lambda k: values[k])
+    objective_value = pulp.value(model.objective) if feasible else None
+    report = SolverReport(
+        backend=used,
+        status=_status_text(model),
+        time_s=elapsed,
+        time_limit_s=time_limit,
+        variables=n_binary + n_edge + 1,
+        constraints=len(model.constraints),
+        objective=float(objective_value) if objective_value is not None else None,
+        gap=_gap(model, used),
+    )
+    return IlpSolution(choice=choice, report=report, feasible=feasible)
+
+
+def _add_edge(
+    model: pulp.LpProblem,
+    edge: EdgeTerm,
+    left: list[pulp.LpVariable | float],
+    right: list[pulp.LpVariable | float],
+    terms: list[object],
+    offset: int,
+) -> int:
+    """Add one edge's class variables and marginal constraints; returns variables added."""
+    if not any(edge.cost.values()):
+        return 0
+    left_sum: dict[int, list[pulp.LpVariable | float]] = {}
+    right_sum: dict[int, list[pulp.LpVariable | float]] = {}
+    for k, p in enumerate(edge.left_class):
+        left_sum.setdefault(p, []).append(left[k])
+    for m, q in enumerate(edge.right_class):
+        right_sum.setdefault(q, []).append(right[m])
+    constant_left = all(isinstance(v, float) for v in left)
+    constant_right = all(isinstance(v, float) for v in right)
+    if constant_left or constant_right:
+        # one side is fixed: the cost is linear in the other side's choice
+        for (p, q), cost in edge.cost.items():
+            if cost:
+                weight = pulp.lpSum(left_sum[p]) if not constant_left else sum(left_sum[p])
+                other = pulp.lpSum(right_sum[q]) if not constant_right else sum(right_sum[q])
+                if constant_left and constant_right:
+                    terms.append(cost * weight * other)
+                elif constant_left:
+                    if weight:
+                        terms.append(cost * weight * other)
+                elif other:
+                    terms.append(cost * other * weight)
+        return 0
+    pairs: dict[tuple[int, int], pulp.LpVariable] = {}
+    for p in left_sum:
+        for q in right_sum:
+            pairs[(p, q)] = pulp.LpVariable(f"e_{offset + len(pairs)}", lowBound=0)
+    for p, members in left_sum.items():
+        model += pulp.lpSum(pairs[(p, q)] for q in right_sum) == pulp.lpSum(members)
+    for q, members in right_sum.items():
+        model += pulp.lpSum(pairs[(p, q)] for p in left_sum) == pulp.lpSum(members)
+    for (p, q), cost in edge.cost.items():
+        if cost:
+            terms.append(cost * pairs[(p, q)])
+    return len(pairs)
+
+
+def _run(model: pulp.LpProblem, time_limit: float, backend: str) -> tuple[str, str]:
+    """Solve with HiGHS, falling back to CBC; returns (PuLP status, backend used)."""
+    order = ["highs", "cbc"] if backend == "highs" else ["cbc", "highs"]
+    last_error: Exception | None = None
+    for name in order:
+        solver = (
+            pulp.HiGHS(msg=False, timeLimit=time_limit)
+            if name == "highs"
+            else pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit)
+        )
+        if not solver.available():
+            continue
+        try:
+            with _quiet_stdout():
+                status = model.solve(solver)
+        except pulp.PulpSolverError as error:
+            last_error = error
+            continue
+        return pulp.LpStatus[status], name
+    raise RuntimeError(f"no ILP solver could run (HiGHS, CBC): {last_error}")
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """HiGHS prints a banner from C++ when first created; keep the user's terminal clean."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _status_text(model: pulp.LpProblem) -> str:
+    if model.sol_status == pulp.LpSolutionOptimal:
+        return "optimal"
+    if model.sol_status == pulp.LpSolutionIntegerFeasible:
+        return "feasible (time limit; best found)"
+    if model.status == pulp.LpStatusInfeasible:
+        return "infeasible"
+    return pulp.LpStatus.get(model.status, "unknown").lower()
+
+
+def _gap(model: pulp.LpProblem, backend: str) -> float | None:
+    if model.sol_status == pulp.LpSolutionOptimal:
+        return 0.0
+    solver_model = getattr(model, "solverModel", None)
+    if backend == "highs" and solver_model is not None:
+        try:
+            return float(solver_model.getInfo().mip_gap)
+        except AttributeError:
+            return None
+    return None

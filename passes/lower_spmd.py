@@ -1,0 +1,314 @@
+"""The SPMD lowering: rewrite the traced graph into the code one device runs.
+
+Reads the traced graph and the chosen strategy of every node; writes, for the device at
+mesh coordinates ``coords``, a new ``torch.fx.Graph`` in which
+
+- a parameter is its local shard (``get_attr`` of the parameter's own name, which the
+  runtime fills with the shard), a buffer or constant is replicated (``get_attr``), a user
+  input is the full global tensor (``placeholder``);
+- every op runs on local tensors (``passes.strategies.localize``: local shape arguments, or
+  a special local op of ``passes.local_ops``);
+- on every edge where the producer's layout is not the layout the consumer needs, the
+  reshard is emitted: free local steps (slice, zero, pad) as calls into
+  ``passes.local_ops`` with this device's coordinates baked in, collectives as calls to
+  submodules named ``<collective>_<axis>`` (``all_gather_tp``) that the runtime provides;
+  one reshard per (tensor, layout) is shared by all consumers;
+- each output is brought back whole on every device and its gradient scaled to the
+  summand convention (``local_ops.scale_grad``).
+
+Every collective's backward is its adjoint (all-gather <-> reduce-scatter, all-reduce <->
+all-reduce, all-to-all <-> all-to-all), so the local backward of this graph computes each
+device's summand of every gradient; parameter gradients are then summed over the mesh axes
+that replicate the parameter (the runtime's gradient sync).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from passes import local_ops
+from passes.annotation import META_KEY
+from passes.strategies.localize import localize
+from passes.strategies.types import Strategy
+from passes.trace import TracedModel
+from plans.mesh import MeshSpec
+from plans.placement import REPLICATE, Layout, Partial, Replicate, Shard
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+@dataclass
+class LoweredGraph:
+    """One device's program and what the runtime must provide for it."""
+
+    graph: torch.fx.Graph
+    coords: tuple[int, ...]
+    params: dict[str, str] = field(default_factory=dict)  # get_attr target -> param name
+    buffers: dict[str, str] = field(default_factory=dict)  # get_attr target -> buffer name
+    constants: dict[str, str] = field(default_factory=dict)
+    collectives: dict[str, tuple[str, int]] = field(default_factory=dict)  # module -> kind, axis
+    counts: dict[str, int] = field(default_factory=dict)  # collective kind -> calls in forward
+
+
+def lower_spmd(
+    traced: TracedModel,
+    strategy_of: Callable[[str], Strategy],
+    layout_of: Callable[[str, int], Layout],
+    mesh: MeshSpec,
+    coords: tuple[int, ...],
+    device: torch.device | None = None,
+) -> LoweredGraph:
+    """The program of the device at ``coords``. ``strategy_of(node)`` gives each op's chosen
+    strategy; ``layout_of(node, output)`` each node's output layout (parameters: their
+    storage layout)."""
+    lowering = _Lowering(traced, strategy_of, layout_of, mesh, coords, device)
+    return lowering.run()
+
+
+def param_attr(name: str) -> str:
+    return name
+
+
+class _Lowering:
+    def __init__(
+        self,
+        traced: TracedModel,
+        strategy_of: Callable[[str], Strategy],
+        layout_of: Callable[[str, int], Layout],
+        mesh: MeshSpec,
+        coords: tuple[int, ...],
+        device: torch.device | None,
+    ) -> None:
+        self.traced = traced
+        self.strategy_of = strategy_of
+        self.layout_of = layout_of
+        self.mesh = mesh
+        self.coords = coords
+        self.device = device
+        self.out = LoweredGraph(torch.fx.Graph(), coords)
+        # (node name, output index, layout) -> local value in that layout
+        self.values: dict[tuple[str, int, Layout], torch.fx.Node] = {}
+        self.layout: dict[tuple[str, int], Layout] = {}
+        self.local: dict[str, torch.fx.Node] = {}
+        signature = traced.exported.graph_signature
+        self.param_of = {
+            node: traced_param
+            for traced_param, info in traced.params.items()
+            for node in info.nodes
+        }
+        self.buffer_of = dict(signature.inputs_to_buffers)
+        self.constant_of = dict(signature.inputs_to_lifted_tensor_constants)
+
+    # ---- driver -------------------------------------------------------------------
+    def run(self) -> LoweredGraph:
+        for node in self.traced.graph.nodes:
+            note = node.meta[META_KEY]
+            if node.op == "placeholder":
+                self._placeholder(node)
+            elif node.op == "output":
+                self._output(node)
+            elif node.target is operator.getitem:
+                parent = node.args[0]
+                index = int(node.args[1])  # type: ignore[arg-type]
+                value = self.out.graph.call_function(
+                    operator.getitem, (self.local[parent.name], index)
+                )
+                self._define(node.name, value, self.layout[(parent.name, index)])
+            elif not note.outputs:
+                continue  # asserts on metadata: nothing to run
+            else:
+                self._op(node)
+        self.out.graph.lint()
+        return self.out
+
+    def _define(self, name: str, value: torch.fx.Node, layout: Layout, index: int = 0) -> None:
+        if index == 0:
+            self.local[name] = value
+        self.layout[(name, index)] = layout
+        self.values[(name, index, layout)] = value
+
+    def _placeholder(self, node: torch.fx.Node) -> None:
+        graph = self.out.graph
+        if node.name in self.param_of:
+            name = self.param_of[node.name]
+            target = param_attr(name)
+            self.out.params[target] = name
+            value = graph.get_attr(target)
+            self._define(node.name, value, self.layout_of(node.name, 0))
+        elif node.name in self.buffer_of:
+            target = self.buffer_of[node.name]
+            self.out.buffers[target] = target
+            self._define(node.name, graph.get_attr(target), self._replicated())
+        elif node.name in self.constant_of:
+            target = self.constant_of[node.name]
+            self.out.constants[target] = target
+            self._define(node.name, graph.get_attr(target), self._replicated())
+        else:
+            self._define(node.name, graph.placeholder(node.name), self._replicated())
+
+    def _replicated(self) -> Layout:
+        return Layout.replicated(self.mesh.ndim)
+
+    def _op(self, node: torch.fx.Node) -> None:
+        strategy = self.strategy_of(node.name)
+        inputs = iter(strategy.inputs)
+
+        def fetch(value: Any) -> Any:
+            if isinstance(value, torch.fx.Node):
+                if isinstance(value.meta.get("val"), torch.Tensor):
+                    return self._value(value.name, 0, next(inputs))
+                return self.local.get(value.name, value)
+            if isinstance(value, list | tuple):
+                return type(value)(fetch(v) for v in value)
+            if isinstance(value, dict):
+                return {k: fetch(v) for k, v in value.items()}
+            if isinstance(value, torch.device):
+                return self.device or value
+            return value
+
+        args = fetch(node.args)
+        kwargs = fetch(dict(node.kwargs))
+        from passes.strategies.graph import op_call
+
+        call = op_call(node)
+        fn, local_args, local_kwargs = localize(
+            call, strategy, args, kwargs, self.coords, self.mesh.shape
+        )
+        if strategy.local.kind == "scale":
+            inner = self.out.graph.call_function(node.target, local_args, local_kwargs)
+            value = self.out.graph.call_function(local_ops.scale, (inner, strategy.local.params[0]))
+        else:
+            value = self.out.graph.call_function(fn, local_args, local_kwargs)
+        value.name = node.name
+        for index, layout in enumerate(strategy.outputs):
+            self.layout[(node.name, index)] = layout
+        self.local[node.name] = value
+        if len(strategy.outputs) == 1:
+            self.values[(node.name, 0, strategy.outputs[0])] = value
+
+    def _output(self, node: torch.fx.Node) -> None:
+        factor = 1.0 / self.mesh.size
+
+        def convert(value: Any) -> Any:
+            if isinstance(value, torch.fx.Node):
+                if not isinstance(value.meta.get("val"), torch.Tensor):
+                    return self.local.get(value.name)
+                whole = self._value(value.name, 0, self._replicated())
+                if value.meta[META_KEY].requires_grad and factor != 1.0:
+                    return self.out.graph.call_function(local_ops.scale_grad, (whole, factor))
+                return whole
+            if isinstance(value, list | tuple):
+                return type(value)(convert(v) for v in value)
+            return value
+
+        self.out.graph.output(convert(node.args[0]))
+
+    # ---- resharding ---------------------------------------------------------------
+    def _value(self, name: str, index: int, want: Layout) -> torch.fx.Node:
+        """The local value of output ``index`` of ``name`` in layout ``want``."""
+        cached = self.values.get((name, index, want))
+        if cached is not None:
+            return cached
+        have = self.layout[(name, index)]
+        source = self.values.get((name, index, have))
+        if source is None:  # an output of a multi-output op, reached through getitem
+            source = self.out.graph.call_function(operator.getitem, (self.local[name], index))
+            self.values[(name, index, have)] = source
+        value = self._reshard(source, have, want)
+        self.values[(name, index, want)] = value
+        return value
+
+    def _reshard(self, x: torch.fx.Node, have: Layout, want: Layout) -> torch.fx.Node:
+        if _simple(have, want):
+            return self._reshard_per_axis(x, have, want)
+        # general case: make it whole, then take what is wanted
+        whole = self._reshard_per_axis(x, have, self._replicated())
+        return self._reshard_per_axis(whole, self._replicated(), want)
+
+    def _reshard_per_axis(self, x: torch.fx.Node, have: Layout, want: Layout) -> torch.fx.Node:
+        """The cost model's order: local steps, reduce-scatters, all-to-alls, all-reduces,
+        all-gathers (inner axis first, so a dim split over several axes comes back whole)."""
+        graph = self.out.graph
+        now = list(have)
+        sizes, coords = self.mesh.shape, self.coords
+        for axis in range(len(now)):
+            src, dst = now[axis], want[axis]
+            if isinstance(src, Replicate) and isinstance(dst, Shard):
+                x = graph.call_function(
+                    local_ops.shard_slice, (x, dst.dim, coords[axis], sizes[axis])
+                )
+                now[axis] = dst
+            elif isinstance(src, Replicate) and isinstance(dst, Partial):
+                x = graph.call_function(local_ops.zero_unless_first, (x, coords[axis]))
+                now[axis] = dst
+            elif isinstance(src, Shard) and isinstance(dst, Partial):
+                x = graph.call_function(local_ops.zero_pad, (x, src.dim, coords[axis], sizes[axis]))
+                now[axis] = dst
+        for axis in range(len(now)):
+            src, dst = now[axis], want[axis]
+            if isinstance(src, Partial) and isinstance(dst, Shard):
+                x = self._collective("reduce_scatter", axis, x, dst.dim)
+                now[axis] = dst
+        for axis in range(len(now)):
+            src, dst = now[axis], want[axis]
+            if isinstance(src, Shard) and isinstance(dst, Shard) and src != dst:
+                x = self._collective("all_to_all", axis, x, src.dim, dst.dim)
+                now[axis] = dst
+        for axis in range(len(now)):
+            if isinstance(now[axis], Partial) and isinstance(want[axis], Replicate):
+                x = self._collective("all_reduce", axis, x)
+                now[axis] = REPLICATE
+        for axis in reversed(range(len(now))):
+            src = now[axis]
+            if isinstance(src, Shard) and isinstance(want[axis], Replicate):
+                x = self._collective("all_gather", axis, x, src.dim)
+                now[axis] = REPLICATE
+        assert Layout(*now) == want, f"reshard {have} -> {want} ended at {Layout(*now)}"
+        return x
+
+    def _collective(self, kind: str, axis: int, *args: Any) -> torch.fx.Node:
+        name = f"{kind}_{self.mesh.axis_names[axis]}"
+        self.out.collectives[name] = (kind, axis)
+        self.out.counts[kind] = self.out.counts.get(kind, 0) + 1
+        return self.out.graph.call_module(name, args)
+
+
+def _simple(have: Layout, want: Layout) -> bool:
+    """Whether resharding axis by axis is exact: no tensor dim involved in a change is split
+    by more than one mesh axis (then the pieces' order is not the per-axis order)."""
+    involved = set()
+    for src, dst in zip(have, want, strict=True):
+        if src != dst:
+            for p in (src, dst):
+                if isinstance(p, Shard):
+                    involved.add(p.dim)
+    for dim in involved:
+        axes_have = sum(1 for p in have if isinstance(p, Shard) and p.dim == dim)
+        axes_want = sum(1 for p in want if isinstance(p, Shard) and p.dim == dim)
+        if max(axes_have, axes_want) > 1:
+            return False
+    return True
+
+
+def local_shard(
+    tensor: torch.Tensor, layout: Layout, coords: tuple[int, ...], mesh_shape: tuple[int, ...]
+) -> torch.Tensor:
+    """This device's piece of a whole tensor in ``layout`` (Partial: the first device holds
+    the value, the others zeros)."""
+    piece = tensor
+    for axis, placement in enumerate(layout):
+        if isinstance(placement, Shard):
+            piece = piece.chunk(mesh_shape[axis], dim=placement.dim)[coords[axis]]
+        elif isinstance(placement, Partial) and coords[axis] != 0:
+            piece = torch.zeros_like(piece)
+    return piece.contiguous()
+
+
+def world_coords(mesh: MeshSpec) -> list[tuple[int, ...]]:
+    return [mesh.coordinates(rank) for rank in range(math.prod(mesh.shape))]

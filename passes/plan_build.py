@@ -1,0 +1,256 @@
+"""Write the solver's choices down as a ``plans.Plan``, with the cost model's estimate.
+
+Reads the ``TracedModel`` and the ``Solved`` result; writes per-parameter layouts (value,
+gradient, optimizer state), per-op strategies, the parallelism summary read off the chosen
+layouts, and the step estimate (compute, communication not hidden, memory per device).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from cost_model.compute import peak_flops
+from cost_model.step import mfu
+from passes.annotation import META_KEY
+from passes.costs import zero_layout_of
+from passes.solve import Solved
+from passes.trace import TracedModel
+from plans.placement import Layout, Replicate, Shard
+from plans.plan import Estimate, MemoryBreakdown, OpPlan, Parallelism, ParamPlan, Plan
+
+MATMULS = {
+    "aten.linear.default",
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten.matmul.default",
+    "aten.baddbmm.default",
+    "aten.einsum.default",
+}
+
+
+def build_plan(
+    traced: TracedModel,
+    solved: Solved,
+    *,
+    model: str,
+    global_batch: int,
+    microbatch_size: int,
+    memory_limit: float | None,
+) -> Plan:
+    mesh = solved.cost.mesh_cost.mesh
+    microbatches = global_batch // microbatch_size
+    params = _param_plans(traced, solved)
+    ops = _op_plans(traced, solved)
+    estimate = _estimate(traced, solved, microbatches, params)
+    return Plan(
+        model=model,
+        mesh=mesh,
+        global_batch=global_batch,
+        microbatch_size=microbatch_size,
+        optimizer=solved.cost.optimizer,
+        precision=solved.cost.precision,
+        memory_limit_bytes=memory_limit,
+        parallelism=_parallelism(traced, solved, params, microbatches),
+        estimate=estimate,
+        params=params,
+        ops=ops,
+        solver=solved.report,
+        warnings=tuple(solved.warnings + traced.warnings),
+    )
+
+
+def _param_plans(traced: TracedModel, solved: Solved) -> dict[str, ParamPlan]:
+    mesh_shape = solved.cost.mesh_shape
+    plans: dict[str, ParamPlan] = {}
+    for name, info in traced.params.items():
+        layout = solved.output_layout(info.nodes[0])
+        zero = zero_layout_of(layout, info.shape, mesh_shape) if solved.zero else layout
+        plans[name] = ParamPlan(
+            shape=info.shape,
+            dtype=info.dtype,
+            param=layout,
+            grad=zero if solved.zero >= 2 else layout,
+            optimizer=zero,
+            aliases=info.aliases,
+        )
+    return plans
+
+
+def _op_plans(traced: TracedModel, solved: Solved) -> dict[str, OpPlan]:
+    ops: dict[str, OpPlan] = {}
+    for node in traced.graph.nodes:
+        note = node.meta[META_KEY]
+        if note.kind not in ("op", "view") or node.name not in solved.decisions.bindings:
+            continue
+        binding = solved.decisions.bindings[node.name]
+        if binding.source is not None:
+            continue  # getitem: output `item` of its source, recorded there
+        strategy = solved.strategy(node.name)
+        ops[node.name] = OpPlan(
+            op=note.op,
+            strategy=strategy.name,
+            output=strategy.outputs[0],
+            inputs=strategy.inputs,
+            module=note.module,
+            layer=note.layer,
+        )
+    return ops
+
+
+def _parallelism(
+    traced: TracedModel, solved: Solved, params: dict[str, ParamPlan], microbatches: int
+) -> Parallelism:
+    """Read the kinds of parallelism off the layouts, weighting matmuls by their FLOPs.
+
+    An axis is data-parallel when most matmul FLOPs have their activation's first dim
+    (the batch) sharded on it; tensor-parallel when most have their weight sharded on it;
+    sequence-parallel when, on a tensor-parallel axis, residual adds are sharded on dim 1.
+    """
+    mesh_shape = solved.cost.mesh_shape
+    batch, weight, total = Counter(), Counter(), 0
+    for node in traced.graph.nodes:
+        note = node.meta[META_KEY]
+        if note.op not in MATMULS or node.name not in solved.decisions.bindings:
+            continue
+        strategy = solved.strategy(node.name)
+        flops = note.fwd_flops
+        total += flops
+        for axis in range(len(mesh_shape)):
+            first = strategy.inputs[0][axis] if strategy.inputs else None
+            if isinstance(first, Shard) and first.dim == 0:
+                batch[axis] += flops
+            if (
+                len(strategy.inputs) > 1
+                and isinstance(strategy.inputs[1][axis], Shard)
+                and not isinstance(first, Shard)
+            ):
+                weight[axis] += flops
+    dp_axes = [a for a in range(len(mesh_shape)) if total and batch[a] * 2 > total]
+    tp_axes = [
+        a for a in range(len(mesh_shape)) if total and weight[a] * 2 > total and a not in dp_axes
+    ]
+    sp = any(_sequence_sharded(traced, solved, a) for a in tp_axes)
+    fsdp = any(isinstance(p.param[a], Shard) for p in params.values() for a in dp_axes)
+
+    def product(axes: list[int]) -> int:
+        size = 1
+        for axis in axes:
+            size *= mesh_shape[axis]
+        return size
+
+    return Parallelism(
+        dp=product(dp_axes),
+        tp=product(tp_axes),
+        sp=product(tp_axes) if sp else 1,
+        zero=3 if fsdp else solved.zero,
+        microbatches=microbatches,
+    )
+
+
+def _sequence_sharded(traced: TracedModel, solved: Solved, axis: int) -> bool:
+    adds = [
+        n
+        for n in traced.graph.nodes
+        if n.meta[META_KEY].op == "aten.add.Tensor"
+        and n.name in solved.decisions.bindings
+        and len(n.meta[META_KEY].outputs[0].shape) == 3
+    ]
+    if not adds:
+        return False
+    sharded = 0
+    for node in adds:
+        layout = solved.output_layout(node.name)
+        if isinstance(layout[axis], Shard) and layout[axis].dim == 1:
+            sharded += 1
+    return sharded * 2 > len(adds)
+
+
+def _estimate(
+    traced: TracedModel, solved: Solved, microbatches: int, params: dict[str, ParamPlan]
+) -> Estimate:
+    parts = solved.parts
+    choice = solved.choice
+    compute = sum(parts.compute_fwd[d][k] + parts.compute_bwd[d][k] for d, k in choice.items())
+    inline, overlap_edges = parts.edge_time(choice)
+    sync = sum(parts.sync[d][k] for d, k in choice.items())
+    compute_step = compute * microbatches
+    hidden = max(0.0, sync + overlap_edges * microbatches - compute_step)
+    step = compute_step + inline * microbatches + hidden
+    params_b = sum(parts.model_states[d][k][0] for d, k in choice.items())
+    grads_b = sum(parts.model_states[d][k][1] for d, k in choice.items())
+    optim_b = sum(parts.model_states[d][k][2] for d, k in choice.items())
+    acts = sum(parts.activations[d][k] for d, k in choice.items())
+    notes = [n.meta[META_KEY] for n in traced.graph.nodes]
+    flops = float(sum(a.fwd_flops + a.bwd_flops for a in notes)) * microbatches
+    mesh = solved.cost.mesh_cost.mesh
+    peak = peak_flops(solved.cost.mesh_cost.preset, solved.cost.compute_dtype) or 1.0
+    sent = _sent_bytes(traced, solved) * microbatches + _sync_bytes(solved, params)
+    return Estimate(
+        step_time_s=step,
+        flops_per_step=flops,
+        mfu=mfu(flops, step, peak, mesh.size) if step > 0 else 0.0,
+        comm_bytes_per_step=sent,
+        memory_per_device_bytes=MemoryBreakdown(
+            params=params_b,
+            grads=grads_b,
+            optimizer=optim_b,
+            activations=acts,
+            total=params_b + grads_b + optim_b + acts,
+        ),
+        compute_s=compute_step,
+        exposed_comm_s=inline * microbatches + hidden,
+    )
+
+
+def _sent_bytes(traced: TracedModel, solved: Solved) -> float:
+    """Bytes a device sends per microbatch for resharding (forward and backward)."""
+    from passes.costs import dual
+
+    mesh_cost = solved.cost.mesh_cost
+    total = 0.0
+    for node in traced.graph.nodes:
+        if node.name not in solved.decisions.bindings:
+            continue
+        binding = solved.decisions.bindings[node.name]
+        if binding.mapping is not None or binding.source is not None:
+            continue
+        choices = solved.decisions.choices[node.name]
+        strategy = solved.strategy(node.name)
+        for i, source in enumerate(choices.inputs):
+            note = solved.decisions.choices[source.producer].note
+            assert note is not None
+            info = note.outputs[source.index]
+            src = solved.output_layout(source.producer, source.index)
+            dst = strategy.inputs[i]
+            if src == dst:
+                continue
+            itemsize = max(1, info.nbytes // max(info.numel, 1))
+            total += mesh_cost.reshard(src, dst, info.shape, itemsize).sent
+            if note.requires_grad:
+                total += mesh_cost.reshard(dual(dst), dual(src), info.shape, itemsize).sent
+    return total
+
+
+def _sync_bytes(solved: Solved, params: dict[str, ParamPlan]) -> float:
+    """Bytes a device sends per step to synchronise gradients (ring all-reduce: 2(n-1)/n)."""
+    mesh_shape = solved.cost.mesh_shape
+    total = 0.0
+    for plan in params.values():
+        axes = [
+            a for a, p in enumerate(plan.param) if isinstance(p, Replicate) and mesh_shape[a] > 1
+        ]
+        if not axes:
+            continue
+        n = 1
+        for axis in axes:
+            n *= mesh_shape[axis]
+        numel = 1
+        for size in plan.param.local_shape(plan.shape, mesh_shape):
+            numel *= size
+        total += 2 * (n - 1) / n * numel * (4 if solved.cost.precision == "fp32" else 2)
+    return total
+
+
+def layout_of(plan: Plan, name: str) -> Layout:
+    return plan.params[name].param

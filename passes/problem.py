@@ -1,0 +1,198 @@
+"""Turn decisions and the cost model into the ILP's coefficients (``ilp.IlpProblem``).
+
+For every decision choice: the compute time of its members and followers (forward and
+backward), their activation memory, the parameters' memory and gradient synchronisation
+(overlappable with the backward pass). For every edge between two decisions: the
+resharding time matrix, forward plus the adjoint backward. Edges out of a parameter (the
+all-gather of an FSDP-sharded weight, and its reduce-scatter in backward) count as
+overlappable too: they are prefetched ahead of use.
+
+Costs are computed once per *representative* edge and node and multiplied by how many
+identical layers repeat them, so building the problem stays flat in depth.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from passes.costs import CostModel
+from passes.decisions import Decisions
+from passes.ilp import EdgeTerm, IlpProblem, Matrix
+from plans.placement import Layout
+
+
+@dataclass
+class ProblemParts:
+    """The ILP plus the per-choice breakdowns the plan's estimate reads back."""
+
+    problem: IlpProblem
+    compute_fwd: dict[str, list[float]] = field(default_factory=dict)
+    compute_bwd: dict[str, list[float]] = field(default_factory=dict)
+    activations: dict[str, list[float]] = field(default_factory=dict)
+    model_states: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
+    sync: dict[str, list[float]] = field(default_factory=dict)
+    # each edge with its forward and backward matrices (over class pairs)
+    edge_terms: list[tuple[EdgeTerm, Matrix, Matrix]] = field(default_factory=list)
+    self_edge: dict[str, list[float]] = field(default_factory=dict)
+
+    def edge_time(self, choice: dict[str, int]) -> tuple[float, float]:
+        """(inline, overlappable) resharding seconds of the chosen strategies."""
+        inline = overlapped = 0.0
+        for term, _, _ in self.edge_terms:
+            p = term.left_class[choice[term.left]]
+            q = term.right_class[choice[term.right]]
+            value = term.cost.get((p, q), 0.0)
+            if term.overlappable:
+                overlapped += value
+            else:
+                inline += value
+        inline += sum(self.self_edge[d][k] for d, k in choice.items())
+        return inline, overlapped
+
+
+def build_problem(
+    decisions: Decisions,
+    cost: CostModel,
+    representatives: dict[str, str],
+    memory_limit: float | None,
+    allowed: dict[str, set[int]] | None = None,
+) -> ProblemParts:
+    choices = {name: len(d.strategies) for name, d in decisions.decisions.items()}
+    parts = ProblemParts(
+        IlpProblem(choices=choices, memory_limit=memory_limit, allowed=dict(allowed or {}))
+    )
+    for name, count in choices.items():
+        parts.compute_fwd[name] = [0.0] * count
+        parts.compute_bwd[name] = [0.0] * count
+        parts.activations[name] = [0.0] * count
+        parts.model_states[name] = [(0.0, 0.0, 0.0)] * count
+        parts.sync[name] = [0.0] * count
+        parts.self_edge[name] = [0.0] * count
+    _node_costs(decisions, cost, representatives, parts)
+    _edge_costs(decisions, cost, representatives, parts)
+    problem = parts.problem
+    for name in choices:
+        fwd, bwd = parts.compute_fwd[name], parts.compute_bwd[name]
+        problem.hidden_by[name] = [f + b for f, b in zip(fwd, bwd, strict=True)]
+        problem.cost[name] = [
+            c + e for c, e in zip(problem.hidden_by[name], parts.self_edge[name], strict=True)
+        ]
+        problem.overlappable[name] = list(parts.sync[name])
+        problem.memory[name] = [
+            a + sum(m)
+            for a, m in zip(parts.activations[name], parts.model_states[name], strict=True)
+        ]
+    problem.edges = [term for term, _, _ in parts.edge_terms]
+    return parts
+
+
+def _node_costs(
+    decisions: Decisions, cost: CostModel, representatives: dict[str, str], parts: ProblemParts
+) -> None:
+    """Compute, memory and gradient sync of every node, per choice of its decision."""
+    repeats = Counter(representatives.get(n, n) for n in decisions.bindings)
+    for node_name, binding in decisions.bindings.items():
+        rep = representatives.get(node_name, node_name)
+        if rep != node_name:
+            continue  # counted through its representative, times the repeats
+        times = repeats[rep]
+        choices = decisions.choices[node_name]
+        if binding.source is not None or choices.kind in ("input", "buffer", "constant", "output"):
+            continue
+        name = binding.decision
+        for k in range(len(decisions.decisions[name].strategies)):
+            strategy = decisions.strategy(node_name, k)
+            note = choices.note
+            assert note is not None
+            if choices.kind == "param":
+                pc = cost.param_cost(note.outputs[0], strategy.outputs[0])
+                old = parts.model_states[name][k]
+                parts.model_states[name][k] = (
+                    old[0] + times * pc.params,
+                    old[1] + times * pc.grads,
+                    old[2] + times * pc.optimizer,
+                )
+                parts.sync[name][k] += times * pc.sync_s
+                continue
+            fwd, bwd = cost.op_time(note, strategy)
+            parts.compute_fwd[name][k] += times * fwd
+            parts.compute_bwd[name][k] += times * bwd
+            parts.activations[name][k] += times * cost.activation_bytes(note, strategy)
+
+
+def _edge_costs(
+    decisions: Decisions, cost: CostModel, representatives: dict[str, str], parts: ProblemParts
+) -> None:
+    """Resharding costs between decisions, computed once per representative edge.
+
+    Each edge's choices are grouped into layout classes (``ilp.EdgeTerm``); an edge whose
+    two ends are one decision (a node consuming its own kind in the previous identical
+    layer) costs ``R[class(k), class(k)]`` for choice ``k`` and joins the node costs.
+    """
+    counted: Counter[tuple[str, int, str, int]] = Counter()
+    example: dict[tuple[str, int, str, int], tuple[str, int, str, int]] = {}
+    for node_name, binding in decisions.bindings.items():
+        if binding.mapping is not None or binding.source is not None:
+            continue  # followers take their producer's layout as it is
+        for i, source in enumerate(decisions.choices[node_name].inputs):
+            key = (
+                representatives.get(source.producer, source.producer),
+                source.index,
+                representatives.get(node_name, node_name),
+                i,
+            )
+            counted[key] += 1
+            example.setdefault(key, (source.producer, source.index, node_name, i))
+    for key, times in counted.items():
+        producer, index, consumer, i = example[key]
+        left = decisions.bindings[producer].decision
+        right = decisions.bindings[consumer].decision
+        note = decisions.choices[producer].note
+        assert note is not None
+        info = note.outputs[index]
+        src_layouts = [
+            decisions.output_layout(producer, k, index)
+            for k in range(len(decisions.decisions[left].strategies))
+        ]
+        dst_layouts = [
+            decisions.strategy(consumer, m).inputs[i]
+            for m in range(len(decisions.decisions[right].strategies))
+        ]
+        left_classes, left_class = _classes(src_layouts)
+        right_classes, right_class = _classes(dst_layouts)
+        fwd_m: Matrix = {}
+        bwd_m: Matrix = {}
+        for p, src in enumerate(left_classes):
+            for q, dst in enumerate(right_classes):
+                fwd, bwd = cost.edge_time(info, src, dst, note.requires_grad)
+                if fwd or bwd:
+                    fwd_m[(p, q)] = times * fwd
+                    bwd_m[(p, q)] = times * bwd
+        if left == right:
+            for k, (p, q) in enumerate(zip(left_class, right_class, strict=True)):
+                parts.self_edge[left][k] += fwd_m.get((p, q), 0.0) + bwd_m.get((p, q), 0.0)
+            continue
+        overlappable = decisions.choices[producer].kind == "param"
+        parts.edge_terms.append(
+            (
+                EdgeTerm(
+                    left,
+                    right,
+                    left_class,
+                    right_class,
+                    {pq: fwd_m[pq] + bwd_m[pq] for pq in fwd_m},
+                    overlappable,
+                ),
+                fwd_m,
+                bwd_m,
+            )
+        )
+
+
+def _classes(layouts: list[Layout]) -> tuple[list[Layout], tuple[int, ...]]:
+    """Distinct layouts in first-seen order, and each choice's class index."""
+    index: dict[Layout, int] = {}
+    for layout in layouts:
+        index.setdefault(layout, len(index))
+    return list(index), tuple(index[layout] for layout in layouts)

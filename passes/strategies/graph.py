@@ -1,0 +1,178 @@
+"""Strategies for every node of a traced graph.
+
+Reads the annotated graph (``node.meta["autopar"]``) and the rule table; writes one
+``NodeChoices`` per node that needs a decision or follows one:
+
+- an op with a rule gets the rule's strategies; an op without one, or whose rule offers
+  nothing valid, gets replicate-all and one warning naming the op;
+- a parameter gets every layout of its shape that splits evenly (its *storage* layout: a
+  layout sharded where its consumers need it whole is FSDP, the consumer's edge gathers it);
+- a user input, buffer or constant is replicated (every rank holds the full batch; a
+  consumer that wants a shard slices it for free);
+- ``getitem`` follows its producer (one strategy per producer strategy);
+- nodes without tensor outputs (``_assert_tensor_metadata``) are dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from passes.annotation import META_KEY, NodeAnnotation, TensorInfo
+from passes.strategies.table import rules
+from passes.strategies.types import OpCall, Strategy, replicate_all
+from plans.placement import REPLICATE, Layout, Placement, Shard
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInput:
+    """A tensor input of a node: which node produces it and which of that node's outputs."""
+
+    producer: str
+    index: int
+
+
+@dataclass
+class NodeChoices:
+    """The strategies one node may take, and where its tensor inputs come from."""
+
+    name: str
+    kind: str  # "op", "param", "input", "buffer", "constant", "getitem", "output"
+    strategies: list[Strategy]
+    inputs: list[TensorInput]
+    call: OpCall | None = None
+    note: NodeAnnotation | None = None
+
+
+def op_call(node: torch.fx.Node) -> OpCall:
+    """The ``OpCall`` a rule sees for an fx node (tensors replaced by their TensorInfo)."""
+    inputs: list[TensorInfo] = []
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, torch.fx.Node):
+            val = value.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                info = _info(val)
+                inputs.append(info)
+                return info
+            return val
+        if isinstance(value, list | tuple):
+            return type(value)(convert(v) for v in value)
+        if isinstance(value, dict):
+            return {k: convert(v) for k, v in value.items()}
+        return value
+
+    args = convert(node.args)
+    kwargs = convert(dict(node.kwargs))
+    note: NodeAnnotation = node.meta[META_KEY]
+    return OpCall(node.target, args, kwargs, tuple(inputs), note.outputs, node.name)
+
+
+def tensor_inputs(node: torch.fx.Node) -> list[TensorInput]:
+    """The producers of ``node``'s tensor inputs, in flattened order (args, then kwargs)."""
+    found: list[TensorInput] = []
+
+    def visit(value: Any) -> None:
+        if isinstance(value, torch.fx.Node):
+            if isinstance(value.meta.get("val"), torch.Tensor):
+                found.append(TensorInput(value.name, 0))
+        elif isinstance(value, list | tuple):
+            for item in value:
+                visit(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+
+    visit(node.args)
+    visit(node.kwargs)
+    return found
+
+
+def graph_choices(
+    graph: torch.fx.Graph, mesh_shape: tuple[int, ...]
+) -> tuple[dict[str, NodeChoices], list[str]]:
+    """Strategies of every node, in graph order, and warnings for ops replicated."""
+    choices: dict[str, NodeChoices] = {}
+    warnings: list[str] = []
+    unknown: dict[str, int] = {}
+    table = rules()
+    replicated = Layout.replicated(len(mesh_shape))
+    for node in graph.nodes:
+        note: NodeAnnotation = node.meta[META_KEY]
+        if node.op == "output":
+            ins = _output_inputs(node)
+            choices[node.name] = NodeChoices(
+                node.name, "output", [Strategy((replicated,) * len(ins), ())], ins, note=note
+            )
+            continue
+        if not note.outputs:
+            continue
+        if node.op == "placeholder":
+            kind = note.kind
+            if kind == "param":
+                strategies = [Strategy((), (layout,), split=layout.shard_factor(mesh_shape))
+                              for layout in storage_layouts(note.outputs[0], mesh_shape)]
+            else:
+                strategies = [Strategy((), (replicated,))]
+            choices[node.name] = NodeChoices(node.name, kind, strategies, [], note=note)
+            continue
+        if node.target is operator.getitem:
+            parent = node.args[0]
+            assert isinstance(parent, torch.fx.Node)
+            index = int(node.args[1])  # type: ignore[arg-type]
+            choices[node.name] = NodeChoices(
+                node.name, "getitem", [], [TensorInput(parent.name, index)], note=note
+            )
+            continue
+        call = op_call(node)
+        rule = table.get(node.target)
+        strategies = list(rule(call, mesh_shape)) if rule is not None else []
+        if not strategies:
+            strategies = [replicate_all(call, mesh_shape)]
+            unknown[str(node.target)] = unknown.get(str(node.target), 0) + 1
+        choices[node.name] = NodeChoices(
+            node.name, "op", strategies, tensor_inputs(node), call=call, note=note
+        )
+    for op, count in unknown.items():
+        warnings.append(
+            f"no sharding rule for {op} ({count} node{'s' if count > 1 else ''}): replicated "
+            "on every device"
+        )
+    return choices, warnings
+
+
+def storage_layouts(info: TensorInfo, mesh_shape: tuple[int, ...]) -> list[Layout]:
+    """Every layout that splits a parameter of this shape evenly: per mesh axis, replicate
+    or shard one dim (several axes may shard the same dim)."""
+    options: list[Placement] = [REPLICATE] + [Shard(d) for d in range(len(info.shape))]
+    layouts = []
+    for picks in itertools.product(options, repeat=len(mesh_shape)):
+        layout = Layout(*picks)
+        if layout.divides(info.shape, mesh_shape):
+            layouts.append(layout)
+    return layouts
+
+
+def _output_inputs(node: torch.fx.Node) -> list[TensorInput]:
+    found: list[TensorInput] = []
+    for value in _leaves(node.args[0]):
+        if isinstance(value, torch.fx.Node) and isinstance(value.meta.get("val"), torch.Tensor):
+            found.append(TensorInput(value.name, 0))
+    return found
+
+
+def _leaves(value: Any) -> Iterable[Any]:
+    if isinstance(value, list | tuple):
+        for item in value:
+            yield from _leaves(item)
+    else:
+        yield value
+
+
+def _info(val: torch.Tensor) -> TensorInfo:
+    return TensorInfo(tuple(int(s) for s in val.shape), str(val.dtype).removeprefix("torch."))
