@@ -1,0 +1,108 @@
+"""Train a tiny example model single-device and compiled, side by side, on each rank.
+
+Used by the multi-rank equivalence tests: every rank builds the same model (same seed),
+runs 3 AdamW steps on it alone (the reference) and on its compiled copy, and returns the
+losses, the gathered gradients of the first step and the gathered parameters after the
+last, for the test to compare.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import autopar
+from examples.models import build
+
+STEPS = 3
+
+
+def loss_of(name: str, output: Any, target: torch.Tensor) -> torch.Tensor:
+    if name == "mlp-tiny":
+        return F.mse_loss(output, target)
+    logits = output[0] if isinstance(output, tuple) else output
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def make_case(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor]:
+    torch.manual_seed(0)
+    model, inputs = build(name, batch_size=4)
+    generator = torch.Generator().manual_seed(1)
+    if name == "mlp-tiny":
+        target = torch.randn(inputs[0].shape[0], 16, generator=generator)
+    else:
+        vocab = model.lm_head.weight.shape[0]
+        target = torch.randint(0, vocab, inputs[0].shape, generator=generator)
+    return model, inputs, target
+
+
+def train(
+    model: torch.nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    target: torch.Tensor,
+    name: str,
+    gradients: Any,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    # eps: some parameters have an exactly zero true gradient (GPT's key bias: softmax is
+    # shift-invariant), so both runs hold only roundoff (~1e-10) there, different in each
+    # (sums run in another order). Adam divides by sqrt(v) + eps and, with the default
+    # eps=1e-8, turns that roundoff into steps of the size of lr, in random directions. With
+    # eps=1e-3 a zero gradient moves nothing and a real one still takes a normalised step.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
+    losses, first_grads = [], {}
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss = loss_of(name, model(*inputs), target)
+        loss.backward()
+        if step == 0:
+            first_grads = gradients()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses, first_grads
+
+
+def compare(
+    rank: int, world_size: int, shape: tuple[int, ...], cases: list[tuple[str, str | None]]
+) -> list[dict[str, Any]]:
+    """Run each (model, style) case on a mesh of ``shape``; rank 0 returns the tensors."""
+    names = ("dp", "tp") if len(shape) == 2 else ("x",)
+    mesh = autopar.Mesh(shape, names, device="cpu")
+    results = []
+    for name, style in cases:
+        model, inputs, target = make_case(name)
+        reference = copy.deepcopy(model)
+        ref_losses, ref_grads = train(
+            reference,
+            inputs,
+            target,
+            name,
+            lambda ref=reference: {n: p.grad.clone() for n, p in ref.named_parameters()},
+        )
+        compiled = autopar.compile(model, mesh, example_inputs=inputs, force=style)
+        names_ = list(compiled.plan.params)
+        losses, grads = train(
+            compiled,
+            inputs,
+            target,
+            name,
+            lambda c=compiled, ns=names_: {n: c.full_gradient(n) for n in ns},
+        )
+        params = {n: compiled.full_parameter(n) for n in names_}
+        ref_params = dict(reference.named_parameters())
+        if rank == 0:
+            results.append(
+                {
+                    "case": f"{name}/{style or 'free'}",
+                    "parallelism": compiled.plan.parallelism.model_dump(),
+                    "losses": losses,
+                    "ref_losses": ref_losses,
+                    "grads": grads,
+                    "ref_grads": {n: ref_grads[n] for n in names_},
+                    "params": params,
+                    "ref_params": {n: ref_params[n].detach() for n in names_},
+                }
+            )
+    return results
