@@ -58,6 +58,8 @@ class Decisions:
     choices: dict[str, NodeChoices]
     decisions: dict[str, Decision]
     bindings: dict[str, Binding]
+    # placeholder -> the placeholder of the same (tied) parameter that decides for both
+    tied: dict[str, str] = field(default_factory=dict)
 
     def strategy(self, node: str, choice: int) -> Strategy:
         """The strategy ``node`` runs when its decision takes ``choice``."""
@@ -76,10 +78,21 @@ class Decisions:
         return sum(len(d.strategies) for d in self.decisions.values() if len(d.strategies) > 1)
 
 
-def group_decisions(choices: dict[str, NodeChoices], representatives: dict[str, str]) -> Decisions:
-    """Bind every node to a decision, merging followers and identical layers."""
-    result = Decisions(choices, {}, {})
+def group_decisions(
+    choices: dict[str, NodeChoices],
+    representatives: dict[str, str],
+    tied: dict[str, str] | None = None,
+) -> Decisions:
+    """Bind every node to a decision, merging followers and identical layers.
+
+    ``tied`` maps a parameter placeholder to another placeholder of the same tensor (export
+    may give a tied weight one placeholder per name): both take one decision, one layout.
+    """
+    result = Decisions(choices, {}, {}, dict(tied or {}))
     for name, node in choices.items():
+        if name in result.tied:
+            result.bindings[name] = result.bindings[result.tied[name]]
+            continue
         rep = representatives.get(name, name)
         if rep != name and rep in result.bindings:
             _join_representative(result, name, rep)

@@ -97,7 +97,7 @@ def solve_ilp(problem: IlpProblem, time_limit: float = 60.0, backend: str = "hig
         row = []
         for k in range(count):
             if k in allowed:
-                row.append(pulp.LpVariable(f"s_{len(select)}_{k}", cat=pulp.LpBinary))
+                row.append(model.add_variable(f"s_{len(select)}_{k}", cat=pulp.LpBinary))
                 n_binary += 1
             else:
                 row.append(0.0)
@@ -116,7 +116,7 @@ def solve_ilp(problem: IlpProblem, time_limit: float = 60.0, backend: str = "hig
     for edge in problem.edges:
         terms = overlapped_edges if edge.overlappable else objective
         n_edge += _add_edge(model, edge, select[edge.left], select[edge.right], terms, n_edge)
-    exposed = pulp.LpVariable("exposed_comm", lowBound=0)
+    exposed = model.add_variable("exposed_comm", lowBound=0)
     overlap_terms = [
         coefficient * value
         for name, row in select.items()
@@ -161,7 +161,7 @@ def solve_ilp(problem: IlpProblem, time_limit: float = 60.0, backend: str = "hig
         time_s=elapsed,
         time_limit_s=time_limit,
         variables=n_binary + n_edge + 1,
-        constraints=len(model.constraints),
+        constraints=model.numConstraints(),
         objective=float(objective_value) if objective_value is not None else None,
         gap=_gap(model, used),
     )
@@ -204,7 +204,7 @@ def _add_edge(
     pairs: dict[tuple[int, int], pulp.LpVariable] = {}
     for p in left_sum:
         for q in right_sum:
-            pairs[(p, q)] = pulp.LpVariable(f"e_{offset + len(pairs)}", lowBound=0)
+            pairs[(p, q)] = model.add_variable(f"e_{offset + len(pairs)}", lowBound=0)
     for p, members in left_sum.items():
         model += pulp.lpSum(pairs[(p, q)] for q in right_sum) == pulp.lpSum(members)
     for q, members in right_sum.items():

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections import Counter
 
 from cost_model.compute import peak_flops
+from cost_model.reshard import Reshard
 from cost_model.step import mfu
 from passes.annotation import META_KEY
-from passes.costs import zero_layout_of
+from passes.costs import dual, zero_layout_of
 from passes.solve import Solved
 from passes.trace import TracedModel
 from plans.placement import Layout, Replicate, Shard
@@ -103,9 +104,11 @@ def _parallelism(
 ) -> Parallelism:
     """Read the kinds of parallelism off the layouts, weighting matmuls by their FLOPs.
 
-    An axis is data-parallel when most matmul FLOPs have their activation's first dim
-    (the batch) sharded on it; tensor-parallel when most have their weight sharded on it;
-    sequence-parallel when, on a tensor-parallel axis, residual adds are sharded on dim 1.
+    An axis is data-parallel when most matmul FLOPs have their activation sharded on a
+    token dim (the batch, or the sequence of a single long sample: data parallelism over
+    tokens); tensor-parallel when most have their weight sharded on it and the activation
+    not; sequence-parallel when, on a tensor-parallel axis, residual adds are sharded on
+    dim 1 (the sequence) between the tensor-parallel matmuls.
     """
     mesh_shape = solved.cost.mesh_shape
     batch, weight, total = Counter(), Counter(), 0
@@ -118,13 +121,14 @@ def _parallelism(
         total += flops
         for axis in range(len(mesh_shape)):
             first = strategy.inputs[0][axis] if strategy.inputs else None
-            if isinstance(first, Shard) and first.dim == 0:
+            tokens = len(note.outputs[0].shape) - 1  # dims before the feature dim
+            on_tokens = isinstance(first, Shard) and first.dim < tokens
+            if on_tokens:
                 batch[axis] += flops
-            if (
-                len(strategy.inputs) > 1
-                and isinstance(strategy.inputs[1][axis], Shard)
-                and not isinstance(first, Shard)
-            ):
+            weight_sharded = len(strategy.inputs) > 1 and isinstance(
+                strategy.inputs[1][axis], Shard
+            )
+            if weight_sharded and not on_tokens:
                 weight[axis] += flops
     dp_axes = [a for a in range(len(mesh_shape)) if total and batch[a] * 2 > total]
     tp_axes = [
@@ -185,7 +189,8 @@ def _estimate(
     flops = float(sum(a.fwd_flops + a.bwd_flops for a in notes)) * microbatches
     mesh = solved.cost.mesh_cost.mesh
     peak = peak_flops(solved.cost.mesh_cost.preset, solved.cost.compute_dtype) or 1.0
-    sent = _sent_bytes(traced, solved) * microbatches + _sync_bytes(solved, params)
+    sent_edges, collectives = _edge_traffic(traced, solved)
+    sent = sent_edges * microbatches + _sync_bytes(solved, params)
     return Estimate(
         step_time_s=step,
         flops_per_step=flops,
@@ -199,16 +204,19 @@ def _estimate(
             total=params_b + grads_b + optim_b + acts,
         ),
         compute_s=compute_step,
+        comm_s=(inline + overlap_edges) * microbatches + sync,
         exposed_comm_s=inline * microbatches + hidden,
+        collectives=collectives,
     )
 
 
-def _sent_bytes(traced: TracedModel, solved: Solved) -> float:
-    """Bytes a device sends per microbatch for resharding (forward and backward)."""
-    from passes.costs import dual
-
+def _edge_traffic(traced: TracedModel, solved: Solved) -> tuple[float, dict[str, int]]:
+    """Bytes a device sends per microbatch for resharding (forward and backward), and the
+    forward collectives by kind, one per (tensor, layout) as the lowering shares them."""
     mesh_cost = solved.cost.mesh_cost
     total = 0.0
+    counts: Counter[str] = Counter()
+    seen: set[tuple[str, int, Layout]] = set()
     for node in traced.graph.nodes:
         if node.name not in solved.decisions.bindings:
             continue
@@ -225,11 +233,24 @@ def _sent_bytes(traced: TracedModel, solved: Solved) -> float:
             dst = strategy.inputs[i]
             if src == dst:
                 continue
+            if (source.producer, source.index, dst) in seen:
+                continue
+            seen.add((source.producer, source.index, dst))
             itemsize = max(1, info.nbytes // max(info.numel, 1))
-            total += mesh_cost.reshard(src, dst, info.shape, itemsize).sent
+            forward = mesh_cost.reshard(src, dst, info.shape, itemsize)
+            total += forward.sent
+            counts.update(_per_axis_counts(forward))
             if note.requires_grad:
                 total += mesh_cost.reshard(dual(dst), dual(src), info.shape, itemsize).sent
-    return total
+    return total, dict(counts)
+
+
+def _per_axis_counts(reshard: Reshard) -> Counter[str]:
+    """The lowering runs a collective over several axes as one call per axis."""
+    counts: Counter[str] = Counter()
+    for step in reshard.collectives:
+        counts[step.kind] += len(step.axes)
+    return counts
 
 
 def _sync_bytes(solved: Solved, params: dict[str, ParamPlan]) -> float:

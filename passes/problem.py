@@ -94,8 +94,8 @@ def _node_costs(
     repeats = Counter(representatives.get(n, n) for n in decisions.bindings)
     for node_name, binding in decisions.bindings.items():
         rep = representatives.get(node_name, node_name)
-        if rep != node_name:
-            continue  # counted through its representative, times the repeats
+        if rep != node_name or node_name in decisions.tied:
+            continue  # counted through its representative (times the repeats) or its twin
         times = repeats[rep]
         choices = decisions.choices[node_name]
         if binding.source is not None or choices.kind in ("input", "buffer", "constant", "output"):

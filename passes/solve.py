@@ -78,7 +78,8 @@ def solve_sharding(traced: TracedModel, request: SolveRequest) -> Solved:
     mesh = request.mesh
     choices, warnings = graph_choices(traced.graph, mesh.shape)
     representatives = layer_representatives(traced.graph)
-    decisions = group_decisions(choices, representatives)
+    tied = {node: info.nodes[0] for info in traced.params.values() for node in info.nodes[1:]}
+    decisions = group_decisions(choices, representatives, tied)
     allowed = allowed_choices(decisions, request.constraints)
     mesh_cost = MeshCost(mesh, load_preset(mesh.device))
     last: tuple[ProblemParts, CostModel] | None = None

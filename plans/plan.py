@@ -67,10 +67,14 @@ class Estimate(_Frozen):
     comm_bytes_per_step: float = Field(description="Bytes each device sends per step.")
     memory_per_device_bytes: MemoryBreakdown
     compute_s: float = 0.0
+    comm_s: float = Field(0.0, description="All communication per step, hidden or not.")
     exposed_comm_s: float = 0.0
     bubble_s: float = 0.0
     recompute_s: float = 0.0
     stages: tuple[StageEstimate, ...] = ()
+    collectives: dict[str, int] = Field(
+        default_factory=dict,
+        description="Collectives the forward pass of one microbatch runs, by kind.")
 
 
 class ParamPlan(_Frozen):

@@ -102,6 +102,7 @@ def graph_choices(
     unknown: dict[str, int] = {}
     table = rules()
     replicated = Layout.replicated(len(mesh_shape))
+    made: dict[tuple[object, ...], list[Strategy]] = {}
     for node in graph.nodes:
         note: NodeAnnotation = node.meta[META_KEY]
         if node.op == "output":
@@ -115,8 +116,13 @@ def graph_choices(
         if node.op == "placeholder":
             kind = note.kind
             if kind == "param":
-                strategies = [Strategy((), (layout,), split=layout.shard_factor(mesh_shape))
-                              for layout in storage_layouts(note.outputs[0], mesh_shape)]
+                key = ("param", note.outputs[0].shape)
+                if key not in made:
+                    made[key] = [
+                        Strategy((), (layout,), split=layout.shard_factor(mesh_shape))
+                        for layout in storage_layouts(note.outputs[0], mesh_shape)
+                    ]
+                strategies = made[key]
             else:
                 strategies = [Strategy((), (replicated,))]
             choices[node.name] = NodeChoices(node.name, kind, strategies, [], note=note)
@@ -131,7 +137,10 @@ def graph_choices(
             continue
         call = op_call(node)
         rule = table.get(node.target)
-        strategies = list(rule(call, mesh_shape)) if rule is not None else []
+        key = (str(node.target), repr(call.args), repr(call.kwargs), call.outputs)
+        if key not in made:  # identical layers repeat identical calls: one rule call each
+            made[key] = list(rule(call, mesh_shape)) if rule is not None else []
+        strategies = made[key]
         if not strategies:
             strategies = [replicate_all(call, mesh_shape)]
             unknown[str(node.target)] = unknown.get(str(node.target), 0) + 1

@@ -32,8 +32,9 @@ SIZE_ARGUMENT: dict[object, int] = {
 }
 
 
-def local_output_shape(call: OpCall, strategy: Strategy, mesh_shape: tuple[int, ...],
-                       index: int = 0) -> tuple[int, ...]:
+def local_output_shape(
+    call: OpCall, strategy: Strategy, mesh_shape: tuple[int, ...], index: int = 0
+) -> tuple[int, ...]:
     return strategy.outputs[index].local_shape(call.outputs[index].shape, mesh_shape)
 
 

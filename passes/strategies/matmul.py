@@ -38,8 +38,7 @@ def mm_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
 
 def addmm_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
     bias = _broadcast_subscripts(call.inputs[0].shape, "mn")
-    return einsum_strategies([(bias, "add"), ("mk", "mul"), ("kn", "mul")], "mn", call,
-                             mesh_shape)
+    return einsum_strategies([(bias, "add"), ("mk", "mul"), ("kn", "mul")], "mn", call, mesh_shape)
 
 
 def bmm_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
@@ -48,8 +47,9 @@ def bmm_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
 
 def baddbmm_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
     bias = _broadcast_subscripts(call.inputs[0].shape, "bmn")
-    return einsum_strategies([(bias, "add"), ("bmk", "mul"), ("bkn", "mul")], "bmn", call,
-                             mesh_shape)
+    return einsum_strategies(
+        [(bias, "add"), ("bmk", "mul"), ("bkn", "mul")], "bmn", call, mesh_shape
+    )
 
 
 def matmul_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
@@ -62,14 +62,12 @@ def matmul_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
         return einsum_strategies([(lead + "k", "mul"), ("k", "mul")], lead, call, mesh_shape)
     if len(a) == 1:
         lead = batch_letters(len(b) - 2, "kn")
-        return einsum_strategies([("k", "mul"), (lead + "kn", "mul")], lead + "n", call,
-                                 mesh_shape)
+        return einsum_strategies([("k", "mul"), (lead + "kn", "mul")], lead + "n", call, mesh_shape)
     batch = max(len(a), len(b)) - 2
     out_batch = batch_letters(batch, "mkn")
     a_sub = _batch_for(a[:-2], out_batch) + "mk"
     b_sub = _batch_for(b[:-2], out_batch) + "kn"
-    return einsum_strategies([(a_sub, "mul"), (b_sub, "mul")], out_batch + "mn", call,
-                             mesh_shape)
+    return einsum_strategies([(a_sub, "mul"), (b_sub, "mul")], out_batch + "mn", call, mesh_shape)
 
 
 def einsum_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:

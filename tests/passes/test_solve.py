@@ -1,0 +1,90 @@
+"""The solver against closed forms, and the lowering's collectives against the plan."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from cost_model.collectives import MeshCost
+from cost_model.hardware import load_preset
+from examples.models import build, mlp
+from passes.from_plan import PlanLayouts
+from passes.lower_spmd import lower_spmd
+from passes.trace import trace
+from plans import InfeasiblePlanError, Replicate, Shard
+
+
+def big_mlp(batch: int = 8):
+    """Two layers whose weights dwarf their activations: tensor parallelism's case."""
+    return mlp(d_in=1024, d_hidden=4096, d_out=1024, n_layers=2, batch_size=batch, device="meta")
+
+
+def test_pure_data_parallel_plan_costs_exactly_its_gradient_all_reduces():
+    model, inputs = build("mlp-tiny", batch_size=8)
+    mesh = autopar.Mesh((4,), ("dp",), device="h100-sxm")
+    plan = autopar.plan(model, mesh, inputs, force="dp")
+    cost = MeshCost(mesh, load_preset("h100-sxm"))
+    gradient_sync = sum(cost.all_reduce(4 * _numel(p.shape), (0,)) for p in plan.params.values())
+    # ... plus making the batch-sharded output whole for the caller, and its adjoint
+    out = (8, 16)
+    gather = cost.reshard(autopar.Layout(Shard(0)), autopar.Layout(Replicate()), out, 4).time
+    scatter = cost.reshard(autopar.Layout(autopar.Partial()), autopar.Layout(Shard(0)), out, 4).time
+    assert plan.estimate.comm_s == pytest.approx(gradient_sync + gather + scatter, rel=1e-12)
+    assert plan.parallelism.dp == 4
+    assert plan.estimate.collectives == {"all_gather": 1}  # the output, made whole
+
+
+def test_two_layer_mlp_gets_megatron_column_then_row_with_one_all_reduce():
+    model, inputs = big_mlp()
+    mesh = autopar.Mesh((4,), ("tp",), device="h100-sxm")
+    plan = autopar.plan(model, mesh, inputs)
+    first, second = plan.params["layers.0.weight"], plan.params["layers.1.weight"]
+    # nn.Linear's weight is [out, in]: column-parallel splits out (dim 0), row-parallel in.
+    assert first.param == autopar.Layout(Shard(0))
+    assert second.param == autopar.Layout(Shard(1))
+    assert plan.parallelism.tp == 4
+    linear = [o for o in plan.ops.values() if o.op == "aten.linear.default"]
+    assert [str(o.output) for o in linear] == ["[S(1)]", "[P]"]
+    assert plan.estimate.collectives == {"all_reduce": 1}
+
+
+def test_lowered_code_runs_the_collectives_the_plan_counts():
+    for name, shape, force in [
+        ("gpt-tiny", (2, 2), "tp+sp"),
+        ("llama-tiny", (2, 2), None),
+        ("gpt-tiny", (4,), "fsdp"),
+    ]:
+        model, inputs = build(name, batch_size=4)
+        mesh = autopar.Mesh(shape, device="cpu")
+        plan = autopar.plan(model, mesh, inputs, force=force)
+        traced = trace(model, inputs)
+        layouts = PlanLayouts(traced, plan)
+        for rank in range(mesh.size):
+            lowered = lower_spmd(
+                traced, layouts.strategy, layouts.layout, mesh, mesh.coordinates(rank)
+            )
+            assert lowered.counts == plan.estimate.collectives, (name, force, rank)
+
+
+def test_memory_limit_turns_on_sharding_and_below_the_floor_says_how_much():
+    model, inputs = big_mlp(batch=64)
+    mesh = autopar.Mesh((4,), ("x",), device="h100-sxm")
+    roomy = autopar.plan(model, mesh, inputs, force="dp")
+    assert roomy.parallelism.zero == 0
+    need = roomy.estimate.memory_per_device_bytes.total
+    optimizer = roomy.estimate.memory_per_device_bytes.optimizer
+    tight = autopar.plan(model, mesh, inputs, force="dp", memory_limit=need - optimizer / 2)
+    assert tight.parallelism.zero in (1, 2)
+    assert tight.estimate.memory_per_device_bytes.total <= need - optimizer / 2
+    for p in tight.params.values():  # still data parallel, optimizer state sharded
+        assert p.param == autopar.Layout(Replicate())
+        assert isinstance(p.optimizer[0], Shard)
+    with pytest.raises(InfeasiblePlanError, match=r"needs .* per device .* dominate"):
+        autopar.plan(model, mesh, inputs, memory_limit="1MiB")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
