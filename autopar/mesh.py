@@ -24,8 +24,11 @@ class Mesh(MeshSpec):
     """A device mesh: shape, axis names, hardware preset. See ``plans.MeshSpec``."""
 
     def runtime_device_type(self) -> str:
-        """``"cuda"`` when CUDA is there and the preset is a GPU, else ``"cpu"`` (gloo)."""
-        if self.device != "cpu" and torch.cuda.is_available():
+        """``"cuda"`` when the default process group runs NCCL on CUDA devices, else ``"cpu"``
+        (gloo). The preset only says what the plan is costed for: a plan for H100s can be
+        tried out on CPU ranks."""
+        if torch.cuda.is_available() and dist.is_initialized() and \
+                dist.get_backend() == "nccl":
             return "cuda"
         return "cpu"
 

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from autopar._version import __version__
-from autopar.cli import calibrate, demo, devices
+from autopar.cli import calibrate, codegen, demo, devices, plan
 from plans.errors import (
     AutoparError,
     HintError,
@@ -38,7 +38,7 @@ EXIT_USAGE = 2
 EXIT_INFEASIBLE = 3
 EXIT_UNTRACEABLE = 4
 
-SUBCOMMANDS = (demo, devices, calibrate)
+SUBCOMMANDS = (demo, plan, codegen, devices, calibrate)
 
 
 def exit_code(error: AutoparError) -> int:

@@ -74,6 +74,8 @@ def run_ranks(work: Callable[..., Any], world_size: int, args: Sequence[Any] = (
                 raise RuntimeError(f"rank {rank} died without a result")
             record = torch.load(path, weights_only=False)
             if not record["ok"]:
+                if record.get("autopar") is not None:
+                    raise record["autopar"]
                 raise RuntimeError(f"rank {rank} failed:\n{record['error']}")
             results.append(record["result"])
         return results

@@ -9,6 +9,8 @@ addmm(c, a, b)         ``(n,) mk,kn -> mn`` (c broadcast, additive)
 bmm(a, b)              ``bmk,bkn -> bmn``
 baddbmm(c, a, b)       ``(bmn) bmk,bkn -> bmn``
 matmul(a, b)           batch dims broadcast, as torch.matmul
+einsum(eq, operands)   its own equation, every operand multiplicative
+outer(a, b)            ``i,j -> ij``
 =====================  =====================================
 """
 
@@ -83,6 +85,11 @@ def einsum_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
     return einsum_strategies([(s, "mul") for s in subscripts], output, call, mesh_shape)
 
 
+def outer_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
+    """torch.outer(a, b): ``i,j->ij`` (rotary embeddings' positions x frequencies)."""
+    return einsum_strategies([("i", "mul"), ("j", "mul")], "ij", call, mesh_shape)
+
+
 def _batch_for(dims: tuple[int, ...], out_batch: str) -> str:
     """Subscripts of an operand's batch dims, aligned right against the output's. A
     broadcast dim (size 1) gets an upper-case letter of its own, so it is never sharded."""
@@ -105,4 +112,5 @@ RULES: dict[object, Rule] = {
     aten.baddbmm.default: baddbmm_rule,
     aten.matmul.default: matmul_rule,
     aten.einsum.default: einsum_rule,
+    aten.outer.default: outer_rule,
 }

@@ -34,8 +34,8 @@ def test_no_command_is_a_usage_error():
     assert run().returncode == 2
 
 
-def test_demo_traces_a_model_and_summarises_it():
-    result = run("demo", "--model", "gpt-tiny")
+def test_demo_trace_summarises_a_models_graph():
+    result = run("demo", "--trace", "--model", "gpt-tiny")
     assert result.returncode == 0, result.stderr
     assert "layers found" in result.stdout
     assert "2 under 'layers'" in result.stdout

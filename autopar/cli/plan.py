@@ -1,0 +1,95 @@
+"""``autopar plan MODEL --mesh 8x8 --device h100-sxm``: plan a model offline and print it.
+
+The model is built on the ``meta`` device (no weights), traced, and planned; the plan is
+printed as a table (default), JSON or YAML, and written with ``-o``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import autopar
+from autopar.cli.mesh_args import add_mesh_arguments, mesh_from_args
+from autopar.cli.render import console, plan_tables
+from autopar.force import STYLES
+from autopar.model_source import build_model, parse_config
+from plans.io import dump_plan, save_plan
+
+
+def add_model_arguments(parser: Any) -> None:
+    parser.add_argument(
+        "model",
+        metavar="MODEL",
+        help="a preset (llama3-8b), path/to/file.py:factory or package.module:factory",
+    )
+    parser.add_argument(
+        "--config",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="arguments for the model factory, such as n_layer=4",
+    )
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="plan a model on a mesh (offline, no GPUs) and print the plan",
+        description="Trace MODEL on the meta device, choose how to shard it over the mesh "
+        "and print the plan with its estimated step time and memory.",
+    )
+    add_model_arguments(parser)
+    add_mesh_arguments(parser)
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        help="batch per optimizer step (default: the model's example batch)",
+    )
+    parser.add_argument(
+        "--memory", help="memory limit per device, such as 80GiB (default: the preset's memory)"
+    )
+    parser.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=["sgd", "sgd_momentum", "adam", "adamw", "adafactor"],
+    )
+    parser.add_argument(
+        "--precision", default="fp32", choices=["fp32", "bf16_mixed", "fp16_mixed", "bf16"]
+    )
+    parser.add_argument("--force", choices=STYLES, help="impose a parallel style")
+    parser.add_argument("--time-limit", type=float, default=60.0, help="solver seconds")
+    parser.add_argument("--format", choices=["table", "json", "yaml"], default="table")
+    parser.add_argument(
+        "-o", "--output", type=Path, help="write the plan to this file (.json or .yaml)"
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    mesh = mesh_from_args(args)
+    model, inputs, name = build_model(args.model, parse_config(args.config), meta=True)
+    plan = autopar.plan(
+        model,
+        mesh,
+        inputs,
+        global_batch=args.global_batch,
+        memory_limit=args.memory,
+        optimizer=args.optimizer,
+        precision=args.precision,
+        force=args.force,
+        time_limit=args.time_limit,
+        name=name,
+    )
+    if args.output:
+        save_plan(plan, args.output)
+    if args.format == "table":
+        out = console()
+        for table in plan_tables(plan):
+            out.print(table)
+        if args.output:
+            out.print(f"plan written to {args.output}")
+    else:
+        print(dump_plan(plan, args.format), end="")
+    return 0
