@@ -196,3 +196,23 @@ def _classes(layouts: list[Layout]) -> tuple[list[Layout], tuple[int, ...]]:
     for layout in layouts:
         index.setdefault(layout, len(index))
     return list(index), tuple(index[layout] for layout in layouts)
+
+
+def unmerged_size(decisions: Decisions) -> int:
+    """Variables the ILP would have without follower merging, layer sharing and layout
+    classes: one binary per strategy of every node, one per strategy pair of every edge
+    (Alpa's formulation). Reported next to the real size."""
+    binaries = sum(len(c.strategies) for c in decisions.choices.values()
+                   if c.kind not in ("getitem", "output") and len(c.strategies) > 1)
+    pairs = 0
+    for name, node in decisions.choices.items():
+        if node.kind == "getitem":
+            continue
+        mine = len(node.strategies)
+        for source in node.inputs:
+            producer = decisions.choices[source.producer]
+            theirs = len(producer.strategies) if producer.kind != "getitem" else len(
+                decisions.choices[producer.inputs[0].producer].strategies)
+            if mine > 1 and theirs > 1:
+                pairs += mine * theirs
+    return binaries + pairs

@@ -26,7 +26,7 @@ from passes.costs import CostModel
 from passes.decisions import Decisions, group_decisions
 from passes.ilp import IlpProblem, solve_ilp
 from passes.layer_sharing import layer_representatives
-from passes.problem import ProblemParts, build_problem
+from passes.problem import ProblemParts, build_problem, unmerged_size
 from passes.strategies.graph import NodeChoices, graph_choices
 from passes.strategies.types import Strategy
 from passes.trace import TracedModel
@@ -89,15 +89,16 @@ def solve_sharding(traced: TracedModel, request: SolveRequest) -> Solved:
         solution = solve_ilp(parts.problem, request.time_limit)
         last = (parts, cost)
         if solution.feasible:
+            report = solution.report.model_copy(
+                update={"variables_before_merging": unmerged_size(decisions)}
+            )
+            if report.status != "optimal":
+                warnings.append(
+                    f"the solver stopped at its time limit ({request.time_limit:g} s) with "
+                    f"the best plan found so far (gap {report.gap})"
+                )
             return Solved(
-                decisions,
-                representatives,
-                solution.choice,
-                parts,
-                cost,
-                solution.report,
-                zero,
-                warnings,
+                decisions, representatives, solution.choice, parts, cost, report, zero, warnings
             )
     assert last is not None
     raise infeasible_error(last[0], request)
