@@ -4,25 +4,31 @@ The lowering always works from a ``plans.Plan`` (fresh from the solver or loaded
 file), so a saved plan and a new one take the same path. Each op's strategy is found among
 the candidates its rule offers by the layouts the plan recorded; a plan made for another
 model or mesh is refused with a message naming the first node that does not match.
+
+User inputs are whole (replicated) by default. With ``local_inputs`` each one instead
+arrives in the layout most of its consumers take it in (``input_layouts``), so a rank can
+be handed only its slice of the batch.
 """
 
 from __future__ import annotations
 
 import operator
+from collections import Counter
+from collections.abc import Mapping
 
 from passes.annotation import META_KEY
-from passes.strategies.graph import graph_choices
+from passes.strategies.graph import graph_choices, tensor_inputs
 from passes.strategies.types import Strategy
 from passes.trace import TracedModel
 from plans.errors import PlanFileError
-from plans.placement import Layout
+from plans.placement import REPLICATE, Layout, Partial
 from plans.plan import Plan
 
 
 class PlanLayouts:
     """Strategy of every op and layout of every output, as a plan decided them."""
 
-    def __init__(self, traced: TracedModel, plan: Plan) -> None:
+    def __init__(self, traced: TracedModel, plan: Plan, *, local_inputs: bool = False) -> None:
         self.strategies: dict[str, Strategy] = {}
         self.layouts: dict[tuple[str, int], Layout] = {}
         mesh_shape = plan.mesh.shape
@@ -70,9 +76,39 @@ class PlanLayouts:
             self.strategies[node.name] = strategy
             for index, layout in enumerate(strategy.outputs):
                 self.layouts[(node.name, index)] = layout
+        self.inputs = input_layouts(traced, self.strategies, len(mesh_shape))
+        if local_inputs:
+            for name, layout in self.inputs.items():
+                self.layouts[(name, 0)] = layout
 
     def strategy(self, node: str) -> Strategy:
         return self.strategies[node]
 
     def layout(self, node: str, index: int = 0) -> Layout:
         return self.layouts[(node, index)]
+
+
+def input_layouts(
+    traced: TracedModel, strategies: Mapping[str, Strategy], mesh_ndim: int
+) -> dict[str, Layout]:
+    """For each user input, the layout most of its consumers take it in.
+
+    Ties go to the consumer that comes first in the graph. A ``Partial`` placement (some
+    rule wanting an input as summands) becomes ``Replicate``: a loader can hand a rank a
+    slice, not a summand; the lowering adds the local step to the consumer that wants it.
+    An input no op reads stays replicated.
+    """
+    wanted: dict[str, Counter[Layout]] = {name: Counter() for name in traced.user_inputs}
+    for node in traced.graph.nodes:
+        strategy = strategies.get(node.name)
+        if strategy is None:
+            continue
+        for source, layout in zip(tensor_inputs(node), strategy.inputs, strict=False):
+            if source.producer in wanted and layout is not None:
+                whole = (REPLICATE if isinstance(p, Partial) else p for p in layout)
+                wanted[source.producer][Layout(*whole)] += 1
+    replicated = Layout.replicated(mesh_ndim)
+    return {
+        name: counts.most_common(1)[0][0] if counts else replicated
+        for name, counts in wanted.items()
+    }

@@ -80,6 +80,7 @@ class IlpSolution:
     choice: dict[str, int]
     report: SolverReport
     feasible: bool
+    timed_out: bool = False  # the time limit came before any feasible choice
 
 
 def solve_ilp(problem: IlpProblem, time_limit: float = 60.0, backend: str = "highs") -> IlpSolution:
@@ -148,7 +149,8 @@ def solve_ilp(problem: IlpProblem, time_limit: float = 60.0, backend: str = "hig
 
     status, used = _run(model, time_limit, backend)
     elapsed = time.perf_counter() - start
-    feasible = status in ("Optimal", "Not Solved") and model.sol_status in (1, 2)
+    feasible = model.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    timed_out = not feasible and model.status != pulp.LpStatusInfeasible
     choice: dict[str, int] = {}
     if feasible:
         for name, row in select.items():
@@ -165,7 +167,7 @@ def solve_ilp(problem: IlpProblem, time_limit: float = 60.0, backend: str = "hig
         objective=float(objective_value) if objective_value is not None else None,
         gap=_gap(model, used),
     )
-    return IlpSolution(choice=choice, report=report, feasible=feasible)
+    return IlpSolution(choice=choice, report=report, feasible=feasible, timed_out=timed_out)
 
 
 def _add_edge(

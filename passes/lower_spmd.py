@@ -5,7 +5,8 @@ mesh coordinates ``coords``, a new ``torch.fx.Graph`` in which
 
 - a parameter is its local shard (``get_attr`` of the parameter's own name, which the
   runtime fills with the shard), a buffer or constant is replicated (``get_attr``), a user
-  input is the full global tensor (``placeholder``);
+  input is a ``placeholder`` in the layout ``layout_of`` gives it (whole by default; a
+  slice with ``PlanLayouts(local_inputs=True)``);
 - every op runs on local tensors (``passes.strategies.localize``: local shape arguments, or
   a special local op of ``passes.local_ops``);
 - on every edge where the producer's layout is not the layout the consumer needs, the
@@ -13,13 +14,24 @@ mesh coordinates ``coords``, a new ``torch.fx.Graph`` in which
   ``passes.local_ops`` with this device's coordinates baked in, collectives as calls to
   submodules named ``<collective>_<axis>`` (``all_gather_tp``) that the runtime provides;
   one reshard per (tensor, layout) is shared by all consumers;
-- each output is brought back whole on every device and its gradient scaled to the
-  summand convention (``local_ops.scale_grad``).
+- each output is brought back whole on every device, or with ``sharded_outputs`` left in
+  its layout (only ``Partial`` placements summed, so no partial sums leak out), and its
+  gradient scaled to the summand convention (``local_ops.scale_grad``, below).
 
 Every collective's backward is its adjoint (all-gather <-> reduce-scatter, all-reduce <->
 all-reduce, all-to-all <-> all-to-all), so the local backward of this graph computes each
 device's summand of every gradient; parameter gradients are then summed over the mesh axes
 that replicate the parameter (the runtime's gradient sync).
+
+**The output boundary.** Inside the graph a gradient is held as summands over the mesh
+axes on which its tensor is replicated, and exactly (each device its own piece's) over the
+axes on which it is sharded. The user's loss on each rank yields the whole gradient of the
+piece that rank holds: for whole outputs every rank computes the same global loss, for
+sharded outputs each rank computes its summand of the global loss from its local pieces
+(ranks holding the same piece, along replicated axes, compute the same term). Either way
+``n`` devices along each replicated axis each hold the full gradient of the same piece, so
+the boundary multiplies it by ``1/n`` per replicated axis and leaves sharded axes alone;
+whole outputs get ``1/(mesh size)``.
 """
 
 from __future__ import annotations
@@ -54,6 +66,7 @@ class LoweredGraph:
     constants: dict[str, str] = field(default_factory=dict)
     collectives: dict[str, tuple[str, int]] = field(default_factory=dict)  # module -> kind, axis
     counts: dict[str, int] = field(default_factory=dict)  # collective kind -> calls in forward
+    outputs: list[Layout | None] = field(default_factory=list)  # per flat output; None: no tensor
 
 
 def lower_spmd(
@@ -63,11 +76,14 @@ def lower_spmd(
     mesh: MeshSpec,
     coords: tuple[int, ...],
     device: torch.device | None = None,
+    *,
+    sharded_outputs: bool = False,
 ) -> LoweredGraph:
     """The program of the device at ``coords``. ``strategy_of(node)`` gives each op's chosen
     strategy; ``layout_of(node, output)`` each node's output layout (parameters: their
-    storage layout)."""
-    lowering = _Lowering(traced, strategy_of, layout_of, mesh, coords, device)
+    storage layout; user inputs: the layout they arrive in). ``sharded_outputs`` returns
+    each output's local piece instead of the whole."""
+    lowering = _Lowering(traced, strategy_of, layout_of, mesh, coords, device, sharded_outputs)
     return lowering.run()
 
 
@@ -84,8 +100,10 @@ class _Lowering:
         mesh: MeshSpec,
         coords: tuple[int, ...],
         device: torch.device | None,
+        sharded_outputs: bool = False,
     ) -> None:
         self.traced = traced
+        self.sharded_outputs = sharded_outputs
         self.strategy_of = strategy_of
         self.layout_of = layout_of
         self.mesh = mesh
@@ -150,7 +168,7 @@ class _Lowering:
             self.out.constants[target] = target
             self._define(node.name, graph.get_attr(target), self._replicated())
         else:
-            self._define(node.name, graph.placeholder(node.name), self._replicated())
+            self._define(node.name, graph.placeholder(node.name), self.layout_of(node.name, 0))
 
     def _replicated(self) -> Layout:
         return Layout.replicated(self.mesh.ndim)
@@ -193,21 +211,33 @@ class _Lowering:
             self.values[(node.name, 0, strategy.outputs[0])] = value
 
     def _output(self, node: torch.fx.Node) -> None:
-        factor = 1.0 / self.mesh.size
-
         def convert(value: Any) -> Any:
             if isinstance(value, torch.fx.Node):
                 if not isinstance(value.meta.get("val"), torch.Tensor):
+                    self.out.outputs.append(None)
                     return self.local.get(value.name)
-                whole = self._value(value.name, 0, self._replicated())
-                if value.meta[META_KEY].requires_grad and factor != 1.0:
-                    return self.out.graph.call_function(local_ops.scale_grad, (whole, factor))
-                return whole
+                want = self._output_layout(self.layout[(value.name, 0)])
+                self.out.outputs.append(want)
+                local = self._value(value.name, 0, want)
+                copies = math.prod(
+                    size
+                    for size, p in zip(self.mesh.shape, want, strict=True)
+                    if isinstance(p, Replicate)
+                )
+                if value.meta[META_KEY].requires_grad and copies > 1:
+                    return self.out.graph.call_function(local_ops.scale_grad, (local, 1.0 / copies))
+                return local
             if isinstance(value, list | tuple):
                 return type(value)(convert(v) for v in value)
             return value
 
         self.out.graph.output(convert(node.args[0]))
+
+    def _output_layout(self, have: Layout) -> Layout:
+        """Whole, or (sharded outputs) ``have`` with its partial sums completed."""
+        if not self.sharded_outputs:
+            return self._replicated()
+        return Layout(*(REPLICATE if isinstance(p, Partial) else p for p in have))
 
     # ---- resharding ---------------------------------------------------------------
     def _value(self, name: str, index: int, want: Layout) -> torch.fx.Node:

@@ -88,6 +88,12 @@ def solve_sharding(traced: TracedModel, request: SolveRequest) -> Solved:
         parts = build_problem(decisions, cost, representatives, request.memory_limit, allowed)
         solution = solve_ilp(parts.problem, request.time_limit)
         last = (parts, cost)
+        if solution.timed_out:
+            raise InfeasiblePlanError(
+                f"the solver found no plan within its time limit of {request.time_limit:g} s "
+                f"({solution.report.variables} variables); allow it more time (time_limit=, "
+                "--time-limit)"
+            )
         if solution.feasible:
             report = solution.report.model_copy(
                 update={"variables_before_merging": unmerged_size(decisions)}

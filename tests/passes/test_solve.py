@@ -88,3 +88,36 @@ def _numel(shape: tuple[int, ...]) -> int:
     for size in shape:
         count *= size
     return count
+
+
+def test_a_solver_time_out_returns_the_best_plan_with_its_gap_and_a_warning(monkeypatch):
+    """HiGHS stopping at its time limit with a feasible plan (made deterministic here by
+    reporting a found-but-unproven solution) gives that plan, its gap, and a warning."""
+    import passes.solve as solve_module
+    from passes.ilp import solve_ilp
+
+    def stopped_early(problem, time_limit, backend="highs"):
+        solution = solve_ilp(problem, time_limit, backend)
+        report = solution.report.model_copy(
+            update={"status": "feasible (time limit; best found)", "gap": 0.07})
+        return type(solution)(solution.choice, report, True)
+
+    monkeypatch.setattr(solve_module, "solve_ilp", stopped_early)
+    model, inputs = build("mlp-tiny")
+    plan = autopar.plan(model, autopar.Mesh((2,), device="cpu"), inputs, time_limit=5)
+    assert plan.solver.gap == 0.07
+    assert any("time limit" in w and "gap 0.07" in w for w in plan.warnings)
+
+
+def test_no_plan_within_the_time_limit_says_to_allow_more_time(monkeypatch):
+    import passes.solve as solve_module
+    from passes.ilp import solve_ilp
+
+    def nothing_found(problem, time_limit, backend="highs"):
+        solution = solve_ilp(problem, time_limit, backend)
+        return type(solution)({}, solution.report, False, timed_out=True)
+
+    monkeypatch.setattr(solve_module, "solve_ilp", nothing_found)
+    model, inputs = build("mlp-tiny")
+    with pytest.raises(InfeasiblePlanError, match="time limit of 5 s"):
+        autopar.plan(model, autopar.Mesh((2,), device="cpu"), inputs, time_limit=5)
