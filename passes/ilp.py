@@ -147,7 +147,7 @@ def solve_ilp(problem: IlpProblem, time_limit: float = 60.0, backend: str = "hig
         )
     model += pulp.lpSum(objective)
 
-    status, used = _run(model, time_limit, backend)
+    _, used = _run(model, time_limit, backend)
     elapsed = time.perf_counter() - start
     feasible = model.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
     timed_out = not feasible and model.status != pulp.LpStatusInfeasible

@@ -205,7 +205,7 @@ def unmerged_size(decisions: Decisions) -> int:
     binaries = sum(len(c.strategies) for c in decisions.choices.values()
                    if c.kind not in ("getitem", "output") and len(c.strategies) > 1)
     pairs = 0
-    for name, node in decisions.choices.items():
+    for node in decisions.choices.values():
         if node.kind == "getitem":
             continue
         mine = len(node.strategies)
