@@ -12,6 +12,7 @@ The public surface, in the order a user meets it:
   says what to change.
 """
 
+from autopar import testing
 from autopar._version import __version__
 from autopar.api import compile, plan
 from autopar.mesh import Mesh
@@ -50,6 +51,7 @@ __all__ = [
     "UsageError",
     "__version__",
     "compile",
+    "testing",
     "load_plan",
     "plan",
     "save_plan",
