@@ -51,9 +51,9 @@ __all__ = [
     "UsageError",
     "__version__",
     "compile",
-    "testing",
     "load_plan",
     "plan",
     "save_plan",
+    "testing",
     "trace",
 ]

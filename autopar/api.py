@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ from torch import nn
 
 from autopar.force import style_constraints
 from autopar.mesh import Mesh
+from autopar.runtime.precision import check_precision, run_precision
 from passes.plan_build import build_plan
 from passes.solve import SolveRequest, solve_sharding
 from passes.trace import TracedModel, trace
@@ -26,6 +27,9 @@ from plans.io import load_plan, plan_from_dict
 from plans.mesh import MeshSpec
 from plans.plan import Plan
 from plans.units import parse_bytes
+
+if TYPE_CHECKING:  # the runtime (DTensor, DCP) loads when a model is compiled, not on import
+    from autopar.runtime.compiled import CompiledModel
 
 
 def plan(
@@ -116,34 +120,56 @@ def _batch_size(traced: TracedModel) -> int:
 
 
 class LazyCompiled(nn.Module):
-    """Plans on the first call, from the real inputs' shapes, like ``torch.compile``."""
+    """Plans on the first call, from the real inputs' shapes, like ``torch.compile``.
+
+    Once built it shares the ``CompiledModel``'s module tree (``named_parameters`` give the
+    user's names, not ``compiled.``-prefixed ones) and hands it every other attribute.
+    """
 
     def __init__(self, model: nn.Module, mesh: Mesh, options: dict[str, Any]) -> None:
         super().__init__()
-        self._model = [model]  # a list: not registered as a submodule
+        object.__setattr__(self, "_model", model)  # not a submodule; dropped once built
         self._mesh = mesh
         self._options = options
-        self.compiled: nn.Module | None = None
+        object.__setattr__(self, "compiled", None)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.compiled is None:
-            self.compiled = _build(self._model[0], self._mesh, args, kwargs, self._options)
+            compiled = _build(self._model, self._mesh, args, kwargs, self._options)
+            object.__setattr__(self, "compiled", compiled)
+            object.__setattr__(self, "_model", None)
+            for registry in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+                object.__setattr__(self, registry, getattr(compiled, registry))
         return self.compiled(*args, **kwargs)
 
-    def parameters(self, recurse: bool = True) -> Any:  # type: ignore[override]
+    def _built(self, what: str) -> CompiledModel:
         if self.compiled is None:
             raise UsageError(
-                "the compiled model is planned on its first call; call it once "
-                "(or pass example_inputs= to autopar.compile) before building "
-                "the optimizer"
+                f"{what}: the compiled model is planned on its first call; call it once "
+                "(or pass example_inputs= to autopar.compile) first"
             )
-        return self.compiled.parameters(recurse)
+        return self.compiled
+
+    def named_parameters(  # type: ignore[override]
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Any:
+        self._built("parameters() for the optimizer")
+        return super().named_parameters(prefix, recurse, remove_duplicate)
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        self._built("state_dict()")._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._built("load_state_dict()")._load_from_state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self._built("load_state_dict()").load_state_dict(state_dict, strict, assign)
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            compiled = self.__dict__.get("_modules", {}).get("compiled")
+            compiled = self.__dict__.get("compiled")
             if compiled is None:
                 raise
             return getattr(compiled, name)
@@ -155,17 +181,39 @@ def compile(
     *,
     example_inputs: Sequence[Any] | None = None,
     plan: Plan | str | Path | None = None,
+    inputs: str = "global",
+    outputs: str = "whole",
     **options: Any,
 ) -> nn.Module:
     """Shard ``model`` over ``mesh`` on every rank of a running job.
 
-    With ``example_inputs`` or a saved ``plan`` it is built now; otherwise on the first
-    call. ``options`` go to ``autopar.plan`` (memory_limit, optimizer, precision, force,
-    global_batch, time_limit).
+    With ``example_inputs`` it is built now; otherwise on the first call. ``options`` go to
+    ``autopar.plan`` (memory_limit, optimizer, precision, force, global_batch, time_limit);
+    ``precision`` also sets how the model runs (``autopar.runtime.precision``:
+    ``"bf16_mixed"`` autocasts the forward to bf16 and keeps fp32 parameters).
+
+    ``inputs="global"`` (default): every rank passes the whole batch. ``inputs="local"``:
+    each rank passes only its slice (``compiled.input_slices()``); planning then needs
+    ``example_inputs`` of the whole batch's shapes. ``outputs="whole"`` (default): every
+    rank gets whole outputs. ``outputs="sharded"``: its local pieces
+    (``compiled.output_layouts()``), from which each rank computes its summand of the loss.
     """
     if not isinstance(mesh, Mesh):
         mesh = Mesh.from_spec(mesh)
-    options = dict(options, plan=plan)
+    if inputs not in ("global", "local"):
+        raise UsageError(
+            f"inputs={inputs!r}: pass 'global' (every rank the whole batch) or 'local'"
+        )
+    if outputs not in ("whole", "sharded"):
+        raise UsageError(f"outputs={outputs!r}: pass 'whole' or 'sharded'")
+    if "precision" in options:
+        check_precision(options["precision"])
+    if inputs == "local" and example_inputs is None:
+        raise UsageError(
+            "inputs='local' needs example_inputs= shaped like the whole (global) batch: "
+            "each rank's own slice does not say how large the batch is"
+        )
+    options = dict(options, plan=plan, inputs=inputs, outputs=outputs)
     if example_inputs is not None:
         return _build(model, mesh, tuple(example_inputs), {}, options)
     return LazyCompiled(model, mesh, options)
@@ -177,21 +225,31 @@ def _build(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     options: dict[str, Any],
-) -> nn.Module:
+) -> CompiledModel:
     from autopar.runtime.compiled import CompiledModel
 
     device_mesh = mesh.init()
     cuda = mesh.runtime_device_type() == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    options = dict(options)
     given = options.pop("plan", None)
+    inputs, outputs = options.pop("inputs", "global"), options.pop("outputs", "whole")
+    if "precision" in options:
+        run_precision(options["precision"], device.type)  # before planning: fail fast
     example_kwargs = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
     if given is not None:
         chosen = given if isinstance(given, Plan) else load_plan(given)
+        wanted = options.get("precision", chosen.precision)
+        if wanted != chosen.precision:
+            raise UsageError(
+                f"the plan was made for precision {chosen.precision!r}, not {wanted!r}; "
+                "plan again with that precision, or drop precision="
+            )
         traced = trace(model, args, example_kwargs)
     else:
         chosen, traced = _plan_on_rank0(model, mesh, args, example_kwargs, options)
-    _seed_alike()
-    return CompiledModel(model, traced, chosen, device_mesh, device)
+    _seed_alike(device)
+    return CompiledModel(model, traced, chosen, device_mesh, device, inputs=inputs, outputs=outputs)
 
 
 def _plan_on_rank0(
@@ -227,8 +285,12 @@ def _plan_on_rank0(
     return chosen, traced
 
 
-def _seed_alike() -> None:
-    """Every rank seeds torch's RNG alike, so replicated random ops agree (dropout policy)."""
-    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+def _seed_alike(device: torch.device) -> None:
+    """Every rank seeds torch's RNG alike, so replicated random ops agree (dropout policy).
+
+    The seed travels on the run's device: an NCCL-only process group cannot broadcast a
+    CPU tensor.
+    """
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(device)
     dist.broadcast(seed, src=0)
     torch.manual_seed(int(seed.item()))

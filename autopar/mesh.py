@@ -27,8 +27,7 @@ class Mesh(MeshSpec):
         """``"cuda"`` when the default process group runs NCCL on CUDA devices, else ``"cpu"``
         (gloo). The preset only says what the plan is costed for: a plan for H100s can be
         tried out on CPU ranks."""
-        if torch.cuda.is_available() and dist.is_initialized() and \
-                dist.get_backend() == "nccl":
+        if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
             return "cuda"
         return "cpu"
 

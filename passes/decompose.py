@@ -31,12 +31,13 @@ fake inputs in their fake mode), ``nn_module_stack`` and ``stack_trace`` from th
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+from passes.graph_edit import copy_meta as _copy_meta
+from passes.graph_edit import set_val as _set_val
 
 aten = torch.ops.aten
 
@@ -45,8 +46,6 @@ MEAN, SUM = 1, 2  # torch's Reduction enum
 # ops whose schema starts (self, target, weight, reduction, ignore_index); cross_entropy's
 # label_smoothing follows and is passed through
 _CLASS_LOSSES = (aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default)
-
-_COPIED_META = ("nn_module_stack", "stack_trace", "torch_fn")
 
 
 def decompose_for_sharding(graph_module: GraphModule) -> int:
@@ -139,30 +138,3 @@ def _rewrite_mean(graph_module: GraphModule, node: Node) -> None:
 
 def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _copy_meta(source: Node, new: Node) -> None:
-    for key in _COPIED_META:
-        if key in source.meta:
-            new.meta[key] = source.meta[key]
-
-
-def _set_val(node: Node) -> None:
-    """``meta["val"]`` (and ``tensor_meta``): run the op on its inputs' fake values."""
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-    fake_mode = next(
-        (v.fake_mode for v in _flat(args) if hasattr(v, "fake_mode")),
-        None,
-    )
-    with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        val = node.target(*args, **kwargs)  # type: ignore[operator]
-    node.meta["val"] = val
-    node.meta["tensor_meta"] = _extract_tensor_metadata(val)
-
-
-def _flat(value: Any) -> list[Any]:
-    if isinstance(value, list | tuple):
-        return [v for item in value for v in _flat(item)]
-    if isinstance(value, dict):
-        return [v for item in value.values() for v in _flat(item)]
-    return [value]

@@ -202,8 +202,11 @@ def unmerged_size(decisions: Decisions) -> int:
     """Variables the ILP would have without follower merging, layer sharing and layout
     classes: one binary per strategy of every node, one per strategy pair of every edge
     (Alpa's formulation). Reported next to the real size."""
-    binaries = sum(len(c.strategies) for c in decisions.choices.values()
-                   if c.kind not in ("getitem", "output") and len(c.strategies) > 1)
+    binaries = sum(
+        len(c.strategies)
+        for c in decisions.choices.values()
+        if c.kind not in ("getitem", "output") and len(c.strategies) > 1
+    )
     pairs = 0
     for node in decisions.choices.values():
         if node.kind == "getitem":
@@ -211,8 +214,11 @@ def unmerged_size(decisions: Decisions) -> int:
         mine = len(node.strategies)
         for source in node.inputs:
             producer = decisions.choices[source.producer]
-            theirs = len(producer.strategies) if producer.kind != "getitem" else len(
-                decisions.choices[producer.inputs[0].producer].strategies)
+            theirs = (
+                len(producer.strategies)
+                if producer.kind != "getitem"
+                else len(decisions.choices[producer.inputs[0].producer].strategies)
+            )
             if mine > 1 and theirs > 1:
                 pairs += mine * theirs
     return binaries + pairs

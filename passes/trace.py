@@ -35,6 +35,7 @@ from torch import nn
 from passes.annotate import annotate_graph
 from passes.annotation import META_KEY, NodeAnnotation, NodeKind, TensorInfo
 from passes.decompose import decompose_for_sharding
+from passes.expose import expose_fused_projections
 from passes.layers import LayerContainer, find_layer_container, module_path
 from plans.errors import UntraceableModelError, UsageError
 
@@ -90,6 +91,9 @@ class TracedModel:
     layers: LayerContainer | None
     trace_seconds: float
     warnings: list[str] = field(default_factory=list)
+    # parameters planned in another shape than the model's (``passes.expose``):
+    # name -> (the model's shape, the planned shape)
+    reshaped: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
@@ -143,6 +147,13 @@ def trace(
     decompose_for_sharding(exported.graph_module)
     signature = exported.graph_signature
     names_of = _tied_names(model)
+    reshaped = expose_fused_projections(
+        exported.graph_module,
+        {
+            node: names_of.get(name, (name,))[0]
+            for node, name in signature.inputs_to_parameters.items()
+        },
+    )
     placeholder_kinds: dict[str, tuple[NodeKind, str | None]] = {}
     for node_name, param in signature.inputs_to_parameters.items():
         placeholder_kinds[node_name] = ("param", names_of.get(param, (param,))[0])
@@ -174,6 +185,7 @@ def trace(
         layers=layers,
         trace_seconds=time.perf_counter() - start,
         warnings=warnings,
+        reshaped=reshaped,
     )
 
 

@@ -18,5 +18,5 @@ def test_readme_python_example_runs(tmp_path):
     lines = result.stdout.strip().splitlines()
     assert lines[0].startswith("dp=")  # the parallelism summary
     assert "s/step, MFU" in lines[1]
-    losses = eval(lines[2])  # noqa: S307 - our own output: a list of two floats
+    losses = eval(lines[2])
     assert len(losses) == 2 and losses[0] == losses[1]

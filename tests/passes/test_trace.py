@@ -87,7 +87,10 @@ def test_annotations_name_parameters_modules_and_layers():
     assert qkv.layer == 1
     assert qkv.module == "layers.1.attn.qkv"
     linears = [a for a in notes.values() if a.op == "aten.linear.default"]
-    assert {a.module for a in linears if a.layer == 0} >= {"layers.0.attn.qkv", "layers.0.mlp.fc"}
+    assert {a.module for a in linears if a.layer == 0} >= {"layers.0.attn.proj", "layers.0.mlp.fc"}
+    # the fused q/k/v projection is exposed as an einsum over [3, C, Cin] (passes.expose)
+    [qkv] = [a for a in notes.values() if a.op == "aten.einsum.default" and a.layer == 0]
+    assert qkv.module == "layers.0.attn.qkv"
     # A tied weight is one parameter with two names.
     [tied] = [p for p in traced.params.values() if p.aliases]
     assert {tied.name, *tied.aliases} == {"wte.weight", "lm_head.weight"}
@@ -102,11 +105,12 @@ def test_saved_bytes_belong_to_activations_and_views_point_at_their_base():
             assert note.saved_bytes == 0
         if note.kind == "view" and note.alias_of is not None:
             assert note.saved_bytes == 0
-    # The fused qkv projection's output is saved (through its q/k/v views) by attention.
+    # The fused qkv projection's output (its bias add, after passes.expose) is saved by
+    # attention through the q/k/v views of it.
     [qkv] = [
         n
         for n in traced.graph.nodes
-        if annotation(n).module == "layers.0.attn.qkv" and annotation(n).op == "aten.linear.default"
+        if annotation(n).module == "layers.0.attn.qkv" and annotation(n).op == "aten.add.Tensor"
     ]
     assert annotation(qkv).saved_bytes >= annotation(qkv).output_bytes
     assert traced.summary().saved_activation_bytes > 0
