@@ -18,6 +18,7 @@ from torch import nn
 
 from autopar.force import style_constraints
 from autopar.mesh import Mesh
+from autopar.options import PlanOptions
 from autopar.runtime.precision import check_precision, run_precision
 from passes.plan_build import build_plan
 from passes.solve import SolveRequest, solve_sharding
@@ -38,34 +39,18 @@ def plan(
     example_inputs: Sequence[Any],
     *,
     example_kwargs: dict[str, Any] | None = None,
-    global_batch: int | None = None,
-    memory_limit: str | int | float | None = None,
-    optimizer: str = "adamw",
-    precision: str = "fp32",
-    force: str | None = None,
-    time_limit: float = 60.0,
-    name: str | None = None,
+    **options: Any,
 ) -> Plan:
     """Plan ``model`` on ``mesh`` for batches shaped like ``example_inputs``.
 
-    ``global_batch`` (default: the example's batch) is the batch per optimizer step; it is
-    run as ``global_batch / example batch`` microbatches with gradient accumulation.
-    ``memory_limit`` per device defaults to the preset's memory. ``force`` names a parallel
-    style (``autopar.force.STYLES``) to impose on the solver.
+    ``options`` (``autopar.options.PlanOptions``): ``global_batch`` (default: the example's
+    batch) is the batch per optimizer step, run as ``global_batch / example batch``
+    microbatches with gradient accumulation; ``memory_limit`` per device (default: the
+    preset's memory); ``optimizer`` and ``precision`` (what the memory and time are costed
+    for); ``force`` a parallel style (``autopar.force.STYLES``); ``zero`` a ZeRO stage;
+    ``time_limit`` for the solver; ``name`` for the plan.
     """
-    return _plan(
-        model,
-        mesh,
-        example_inputs,
-        example_kwargs,
-        global_batch,
-        memory_limit,
-        optimizer,
-        precision,
-        force,
-        time_limit,
-        name,
-    )[0]
+    return _plan(model, mesh, example_inputs, example_kwargs, PlanOptions.of(options))[0]
 
 
 def _plan(
@@ -73,13 +58,7 @@ def _plan(
     mesh: MeshSpec,
     example_inputs: Sequence[Any],
     example_kwargs: dict[str, Any] | None,
-    global_batch: int | None,
-    memory_limit: str | int | float | None,
-    optimizer: str,
-    precision: str,
-    force: str | None,
-    time_limit: float,
-    name: str | None,
+    options: PlanOptions,
 ) -> tuple[Plan, TracedModel]:
     from cost_model.hardware import load_preset
 
@@ -88,21 +67,31 @@ def _plan(
     preset = load_preset(mesh.device)
     traced = trace(model, example_inputs, example_kwargs)
     batch = _batch_size(traced)
-    global_batch = global_batch or batch
+    global_batch = options.global_batch or batch
     if global_batch % batch:
         raise UsageError(
             f"global_batch={global_batch} is not a multiple of the example "
             f"inputs' batch ({batch}); pass a multiple or other example inputs"
         )
-    limit = float(parse_bytes(memory_limit)) if memory_limit is not None else preset.memory_bytes
-    constraints = style_constraints(force, mesh) if force else []
-    solved = solve_sharding(
-        traced, SolveRequest(mesh, limit, optimizer, precision, time_limit, constraints)
+    limit = (
+        float(parse_bytes(options.memory_limit))
+        if options.memory_limit is not None
+        else preset.memory_bytes
     )
+    request = SolveRequest(
+        mesh,
+        limit,
+        options.optimizer,
+        options.precision,
+        options.time_limit,
+        style_constraints(options.force, mesh) if options.force else [],
+        zero_levels=(options.zero,) if options.zero is not None else (0, 1, 2),
+    )
+    solved = solve_sharding(traced, request)
     result = build_plan(
         traced,
         solved,
-        model=name or type(model).__name__,
+        model=options.name or type(model).__name__,
         global_batch=global_batch,
         microbatch_size=batch,
         memory_limit=limit,
@@ -206,6 +195,7 @@ def compile(
         )
     if outputs not in ("whole", "sharded"):
         raise UsageError(f"outputs={outputs!r}: pass 'whole' or 'sharded'")
+    PlanOptions.of(options)  # refuse a bad option before anything starts
     if "precision" in options:
         check_precision(options["precision"])
     if inputs == "local" and example_inputs is None:
@@ -264,19 +254,7 @@ def _plan_on_rank0(
     payload: list[Any] = [None]
     traced: TracedModel | None = None
     if dist.get_rank() == 0:
-        made, traced = _plan(
-            model,
-            mesh,
-            args,
-            kwargs,
-            options.get("global_batch"),
-            options.get("memory_limit"),
-            options.get("optimizer", "adamw"),
-            options.get("precision", "fp32"),
-            options.get("force"),
-            options.get("time_limit", 60.0),
-            options.get("name"),
-        )
+        made, traced = _plan(model, mesh, args, kwargs, PlanOptions.of(options))
         payload[0] = made.model_dump(mode="json")
     dist.broadcast_object_list(payload, src=0)
     chosen = plan_from_dict(payload[0], "<plan from rank 0>")

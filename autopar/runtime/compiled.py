@@ -50,6 +50,7 @@ from autopar.runtime.grad_sync import GradientSync
 from autopar.runtime.groups import axis_groups
 from autopar.runtime.precision import run_precision
 from autopar.runtime.shards import gather_full, local_slices
+from autopar.runtime.zero import ZeroParam, ZeroShards, master_piece, zero_axes
 from passes.from_plan import PlanLayouts
 from passes.lower_spmd import LoweredGraph, local_shard, lower_spmd
 from passes.trace import TracedModel
@@ -140,21 +141,36 @@ class CompiledModel(nn.Module):
         self._inputs = [
             (name, _shape_of(traced, name), layouts.inputs[name]) for name in traced.user_inputs
         ]
-        tree = self._build_tree(model, traced, lowered)
+        self._sync_axis_groups = axis_groups(mesh)
+        zero: list[ZeroParam] = []
+        tree = self._build_tree(model, traced, lowered, zero)
+        self._zero = ZeroShards(zero)
         program = torch.fx.GraphModule(
             tree, lowered.graph, class_name=f"{type(model).__name__}Rank{rank}"
         )
         _share_tree(program, tree)
         object.__setattr__(self, "program", program)  # not a child: it shares our tree
         self._state_keys = _state_keys(model, plan, lowered)
-        self._sync_axis_groups = axis_groups(mesh)
-        self._sync = GradientSync([(p, self._sync_groups(n)) for n, p in self._named_local()])
+        self._sync = GradientSync(
+            [
+                (p, self._sync_groups(n))
+                for n, p in self._named_local()
+                if n not in self._zero.params
+            ]
+        )
         _share_tree(self, tree)
 
     def _build_tree(
-        self, model: nn.Module, traced: TracedModel, lowered: LoweredGraph
+        self,
+        model: nn.Module,
+        traced: TracedModel,
+        lowered: LoweredGraph,
+        zero: list[ZeroParam],
     ) -> nn.Module:
-        """The holder tree: local shards, buffers, constants and collectives at their paths."""
+        """The holder tree: local shards, buffers, constants and collectives at their paths.
+
+        A parameter whose optimizer state the plan shards further (ZeRO-1/2) hangs there as
+        its *master* piece, and the graph reads a working copy instead (``runtime.zero``)."""
         mesh, device = self.plan.mesh, self.device
         cast = self.precision.params
         tree = _Holder()
@@ -167,6 +183,10 @@ class CompiledModel(nn.Module):
             local = local_shard(full, self.plan.params[name].param, self.coords, mesh.shape)
             if cast is not None and local.is_floating_point():
                 local = local.to(cast)
+            placed = self._zero_param(name, target, local, lowered, tree)
+            if placed is not None:
+                zero.append(placed)
+                continue
             _set_attr(tree, target, nn.Parameter(local.clone()), "param")
         buffers = dict(model.named_buffers(remove_duplicate=False))
         for target, name in lowered.buffers.items():
@@ -181,6 +201,45 @@ class CompiledModel(nn.Module):
             group = self.device_mesh.get_group(axis)
             _set_attr(tree, module_name, MODULES[kind](group, mesh.axis_names[axis]), "module")
         return tree
+
+    def _zero_param(
+        self, name: str, target: str, local: torch.Tensor, lowered: LoweredGraph, tree: nn.Module
+    ) -> ZeroParam | None:
+        """Place a ZeRO-1/2 parameter: its master piece at ``target`` (what the optimizer
+        steps), a working copy elsewhere that the graph's ``get_attr`` now reads."""
+        plan, mesh_shape = self.plan.params[name], self.plan.mesh.shape
+        found = zero_axes(plan.param, plan.optimizer, mesh_shape)
+        if not found:
+            return None
+        axes = tuple(axis for axis, _ in found)
+        dims = tuple(dim for _, dim in found)
+        coords = tuple(self.coords[axis] for axis in axes)
+        sizes = tuple(mesh_shape[axis] for axis in axes)
+        master = nn.Parameter(master_piece(local, dims, coords, sizes).clone())
+        _set_attr(tree, target, master, "param")
+        working = local.clone().requires_grad_(True)
+        working_path = "_zero_working." + target.replace(".", "__")
+        _set_attr(tree, working_path, working, "constant")
+        for node in lowered.graph.nodes:
+            if node.op == "get_attr" and node.target == target:
+                node.target = working_path
+        groups = self._sync_axis_groups
+        others = tuple(
+            groups[axis]  # type: ignore[misc]
+            for axis, p in enumerate(plan.param)
+            if isinstance(p, Replicate) and mesh_shape[axis] > 1 and axis not in axes
+        )
+        return ZeroParam(
+            name,
+            master,
+            working,
+            axes,
+            dims,
+            coords,
+            tuple(groups[a] for a in axes),  # type: ignore[misc]
+            others,
+            shard_gradient=plan.grad != plan.param,
+        )
 
     def _named_local(self) -> Iterator[tuple[str, nn.Parameter]]:
         for target, name in self.lowered.params.items():
@@ -204,6 +263,7 @@ class CompiledModel(nn.Module):
                 f"got {len(leaves)}"
             )
         prepared = [self._prepare(i, leaf) for i, leaf in enumerate(leaves)]
+        self._zero.gather()  # ZeRO: working copies from the masters the optimizer stepped
         with self.precision.autocast(self.device.type):
             flat = self.program(*prepared)
         flat_list = list(flat) if isinstance(flat, list | tuple) else [flat]
@@ -285,6 +345,14 @@ class CompiledModel(nn.Module):
     def _local_param(self, name: str) -> nn.Parameter:
         return self.program.get_parameter(self._canonical(name))
 
+    def _local_value(self, name: str) -> torch.Tensor:
+        """This rank's piece of parameter ``name`` in the parameter's layout (for ZeRO
+        parameters the working copy, gathered from the masters)."""
+        canonical = self._canonical(name)
+        if canonical in self._zero.params:
+            return self._zero.local_value(canonical)
+        return self._local_param(canonical).detach()
+
     def param_layout(self, name: str) -> Layout:
         """The layout the parameter ``name`` is stored in."""
         return self.plan.params[self._canonical(name)].param
@@ -304,13 +372,17 @@ class CompiledModel(nn.Module):
         """The whole value of parameter ``name`` in the user's shape, gathered from every
         rank's shard. Collective: every rank calls it. An unsharded parameter's value
         shares its storage (``shards.gather_full``)."""
-        local = self._local_param(name).detach()
+        local = self._local_value(name)
         whole = gather_full(local, self.param_layout(name), self.device_mesh)
         return whole.reshape(self.user_shape(name))
 
     def full_gradient(self, name: str) -> torch.Tensor | None:
         """The whole gradient of parameter ``name`` (None before backward). Collective."""
-        grad = self._local_param(name).grad
+        canonical = self._canonical(name)
+        if canonical in self._zero.params:
+            grad = self._zero.local_grad(canonical)
+        else:
+            grad = self._local_param(name).grad
         if grad is None:
             return None
         whole = gather_full(grad.detach(), self.param_layout(name), self.device_mesh)
@@ -412,7 +484,10 @@ class CompiledModel(nn.Module):
                 piece = local_shard(
                     value.to(target.device), layout, self.coords, self.plan.mesh.shape
                 )
-                target.copy_(piece)
+                if kind == "param" and self._canonical(source) in self._zero.params:
+                    self._zero.assign(self._canonical(source), piece)
+                else:
+                    target.copy_(piece)
         if strict:
             unexpected_keys.extend(
                 k for k in state_dict if k.startswith(prefix) and k not in expected
@@ -427,7 +502,7 @@ class CompiledModel(nn.Module):
         of the fused weight)."""
         for key, kind, source in self._state_keys:
             if kind == "param":
-                local = self._local_param(source).detach()
+                local = self._local_value(source)
                 yield key, (local, self.param_layout(source), self.param_shape(source))
             else:
                 yield key, self.program.get_buffer(source).detach()

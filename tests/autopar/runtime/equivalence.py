@@ -45,7 +45,7 @@ def train(
     target: torch.Tensor,
     name: str,
     gradients: Any,
-) -> tuple[list[float], dict[str, torch.Tensor]]:
+) -> tuple[list[float], dict[str, torch.Tensor], torch.optim.Optimizer]:
     # eps: some parameters have an exactly zero true gradient (GPT's key bias: softmax is
     # shift-invariant), so both runs hold only roundoff (~1e-10) there, different in each
     # (sums run in another order). Adam divides by sqrt(v) + eps and, with the default
@@ -61,29 +61,31 @@ def train(
             first_grads = gradients()
         optimizer.step()
         losses.append(float(loss.detach()))
-    return losses, first_grads
+    return losses, first_grads, optimizer
 
 
 def compare(
-    rank: int, world_size: int, shape: tuple[int, ...], cases: list[tuple[str, str | None]]
+    rank: int, world_size: int, shape: tuple[int, ...], cases: list[tuple[Any, ...]]
 ) -> list[dict[str, Any]]:
-    """Run each (model, style) case on a mesh of ``shape``; rank 0 returns the tensors."""
+    """Run each (model, style[, options]) case on a mesh of ``shape``; rank 0 returns the
+    tensors. ``options`` go to ``autopar.compile`` (``{"zero": 2}``)."""
     names = ("dp", "tp") if len(shape) == 2 else ("x",)
     mesh = autopar.Mesh(shape, names, device="cpu")
     results = []
-    for name, style in cases:
+    for name, style, *more in cases:
+        options = more[0] if more else {}
         model, inputs, target = make_case(name)
         reference = copy.deepcopy(model)
-        ref_losses, ref_grads = train(
+        ref_losses, ref_grads, _ = train(
             reference,
             inputs,
             target,
             name,
             lambda ref=reference: {n: p.grad.clone() for n, p in ref.named_parameters()},
         )
-        compiled = autopar.compile(model, mesh, example_inputs=inputs, force=style)
+        compiled = autopar.compile(model, mesh, example_inputs=inputs, force=style, **options)
         names_ = list(compiled.plan.params)
-        losses, grads = train(
+        losses, grads, optimizer = train(
             compiled,
             inputs,
             target,
@@ -95,7 +97,9 @@ def compare(
         if rank == 0:
             results.append(
                 {
-                    "case": f"{name}/{style or 'free'}",
+                    "case": f"{name}/{style or 'free'}"
+                    + "".join(f"/{k}={v}" for k, v in options.items()),
+                    "state_fraction": _state_fraction(optimizer, compiled),
                     "parallelism": compiled.plan.parallelism.model_dump(),
                     "losses": losses,
                     "ref_losses": ref_losses,
@@ -106,3 +110,17 @@ def compare(
                 }
             )
     return results
+
+
+def _state_fraction(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> float:
+    """This rank's Adam state values over the whole model's parameter count."""
+    held = sum(s["exp_avg"].numel() for s in optimizer.state.values() if "exp_avg" in s)
+    whole = sum(_count(info.shape) for info in model.plan.params.values())
+    return held / whole
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

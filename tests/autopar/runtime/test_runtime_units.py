@@ -58,7 +58,7 @@ def test_a_precision_the_device_cannot_autocast_is_a_usage_error() -> None:
     [
         ({"inputs": "sharded"}, "inputs='sharded'"),
         ({"outputs": "local"}, "outputs='local'"),
-        ({"precision": "fp8"}, "unknown precision"),
+        ({"precision": "fp8"}, "precision: Input should be 'fp32'"),
         ({"inputs": "local"}, "needs example_inputs"),
     ],
 )

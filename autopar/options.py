@@ -1,0 +1,45 @@
+"""``PlanOptions``: what ``autopar.plan`` and ``autopar.compile`` take besides model and mesh.
+
+One typed record instead of keyword arguments threaded through every function; a mistyped
+option or a bad value is refused at the door with the list of valid ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from plans.errors import UsageError
+from plans.io import describe_validation_error
+
+
+class PlanOptions(BaseModel):
+    """Options of a plan (see ``autopar.plan``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    global_batch: int | None = Field(None, ge=1, description="Batch per optimizer step.")
+    memory_limit: str | int | float | None = Field(
+        None, description="Per device, such as '80GiB'; default: the preset's memory."
+    )
+    optimizer: Literal["sgd", "sgd_momentum", "adam", "adamw", "adafactor"] = "adamw"
+    precision: Literal["fp32", "bf16_mixed", "fp16_mixed", "bf16"] = "fp32"
+    force: str | None = Field(None, description="A parallel style: autopar.force.STYLES.")
+    zero: Literal[0, 1, 2] | None = Field(
+        None,
+        description="Force a ZeRO stage for the optimizer state (0, 1 or 2); "
+        "default: the least that fits the memory limit.",
+    )
+    time_limit: float = Field(60.0, gt=0, description="Solver seconds.")
+    name: str | None = Field(None, description="The model's name in the plan.")
+
+    @classmethod
+    def of(cls, options: dict[str, Any]) -> PlanOptions:
+        try:
+            return cls(**options)
+        except ValidationError as error:
+            raise UsageError(
+                f"bad planning options:\n{describe_validation_error(error)}\n  valid options: "
+                f"{', '.join(cls.model_fields)}"
+            ) from None

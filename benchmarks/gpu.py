@@ -1,0 +1,206 @@
+"""GPU benchmark: eager against compiled, and the cost model against the GPU (under 5 min).
+
+    python benchmarks/gpu.py [--out DIR] [--preset h200-sxm] [--cpu --small]
+
+On one CUDA device, for a GPT of about 1.3B parameters (the gpt3-1.3b preset) in bf16
+mixed precision (autocast; fp32 master weights, AdamW):
+
+1. eager and ``autopar.compile`` on a mesh of 1 (NCCL): median step time of 10 steps after
+   3 warm-up steps, and peak memory (``torch.cuda.max_memory_allocated``);
+2. the main ops of the traced graph (matmuls, attention, norms, pointwise), each timed alone
+   on the GPU (forward, CUDA events, median of 20) next to the cost model's prediction for
+   the preset and for a preset calibrated on this GPU;
+3. ``autopar calibrate``'s preset for this GPU, written to ``DIR/calibrated.yaml``.
+
+Writes ``DIR/gpu.json`` and prints markdown tables for BENCHMARKS.md. ``--cpu --small`` runs
+the same code on CPU with a tiny model, to check the script where no GPU is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import autopar
+from autopar.testing.ranks import free_port
+from cost_model.compute import op_time
+from cost_model.hardware import DevicePreset, load_preset
+from examples.models import build
+from passes.annotation import META_KEY
+from passes.trace import trace
+
+TIMED_OPS = ("aten.linear.default", "aten.einsum.default", "aten.scaled_dot_product_attention"
+             ".default", "aten.layer_norm.default", "aten.gelu.default", "aten.add.Tensor",
+             "aten.embedding.default")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_times(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
+               device: torch.device, steps: int, warmup: int = 3) -> tuple[float, float]:
+    """Median seconds per training step (bf16 autocast, AdamW) and peak bytes."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(warmup + steps):
+        synchronize(device)
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = model(tokens)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    return statistics.median(times), float(peak)
+
+
+def time_op(node: torch.fx.Node, device: torch.device, repeat: int = 20) -> float:
+    """Median forward seconds of one traced op on real bf16 tensors of its shapes."""
+
+    def real(value: Any) -> Any:
+        if isinstance(value, torch.fx.Node):
+            val = value.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                dtype = torch.bfloat16 if val.is_floating_point() else val.dtype
+                if val.is_floating_point():
+                    return torch.randn(tuple(val.shape), dtype=dtype, device=device)
+                return torch.zeros(tuple(val.shape), dtype=dtype, device=device)
+            return val
+        if isinstance(value, list | tuple):
+            return type(value)(real(v) for v in value)
+        return value
+
+    args = real(node.args)
+    kwargs = {k: real(v) for k, v in node.kwargs.items()}
+    for _ in range(3):
+        node.target(*args, **kwargs)
+    samples = []
+    for _ in range(repeat):
+        synchronize(device)
+        start = time.perf_counter()
+        node.target(*args, **kwargs)
+        synchronize(device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def op_table(model: torch.nn.Module, tokens: torch.Tensor, device: torch.device,
+             presets: dict[str, DevicePreset]) -> list[dict[str, Any]]:
+    traced = trace(copy.deepcopy(model).to("meta"), (tokens.to("meta"),))
+    seen: set[tuple[str, str]] = set()
+    rows = []
+    for node in traced.graph.nodes:
+        note = node.meta[META_KEY]
+        if note.op not in TIMED_OPS or note.kind != "op":
+            continue
+        key = (note.op, str(note.outputs))
+        if key in seen:
+            continue
+        seen.add(key)
+        measured = time_op(node, device)
+        row: dict[str, Any] = {"op": note.op.removeprefix("aten.").removesuffix(".default"),
+                               "shape": "x".join(map(str, note.outputs[0].shape)),
+                               "measured_s": measured}
+        for label, preset in presets.items():
+            # activations were traced in fp32; the step runs them in bf16: half the bytes
+            row[f"predicted_{label}_s"] = op_time(note.fwd_flops,
+                                                  (note.bytes_read + note.bytes_written) / 2,
+                                                  "bfloat16", preset)
+        rows.append(row)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--preset", default="h200-sxm")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--small", action="store_true", help="a tiny GPT (checks the script)")
+    args = parser.parse_args()
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    dist.init_process_group("gloo" if args.cpu else "nccl",
+                            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if not args.cpu else "cpu"}
+
+    from cost_model.calibrate import calibrate
+
+    calibrated = calibrate(name="calibrated", quick=True).preset
+    args.out.mkdir(parents=True, exist_ok=True)
+    from cost_model.hardware import save_preset
+
+    save_preset(calibrated, args.out / "calibrated.yaml")
+    presets = {"preset": load_preset(args.preset if not args.cpu else "cpu"),
+               "calibrated": calibrated}
+
+    name, overrides = ("gpt-tiny", {}) if args.small else ("gpt3-1.3b", {})
+    torch.manual_seed(0)
+    model, (tokens,) = build(name, batch_size=args.batch, **overrides)
+    model = model.to(device)
+    tokens = torch.randint(0, model.wte.weight.shape[0], tokens.shape, device=device)
+    targets = torch.roll(tokens, -1, dims=1)
+    report["model"] = {"preset": name, "parameters": sum(p.numel() for p in model.parameters()),
+                       "batch": list(tokens.shape)}
+
+    eager_time, eager_peak = step_times(copy.deepcopy(model), tokens, targets, device,
+                                        args.steps)
+    mesh = autopar.Mesh((1,), ("x",), device=presets["preset"].name)
+    start = time.perf_counter()
+    compiled = autopar.compile(copy.deepcopy(model), mesh, example_inputs=(tokens,),
+                               precision="bf16_mixed")
+    report["compile_s"] = time.perf_counter() - start
+    compiled_time, compiled_peak = step_times(compiled, tokens, targets, device, args.steps)
+    report["step"] = {"eager_s": eager_time, "compiled_s": compiled_time,
+                      "ratio": compiled_time / eager_time, "eager_peak_bytes": eager_peak,
+                      "compiled_peak_bytes": compiled_peak,
+                      "predicted_s": compiled.plan.estimate.step_time_s}
+    report["ops"] = op_table(model, tokens, device, presets)
+    (args.out / "gpu.json").write_text(json.dumps(report, indent=2))
+
+    print(f"# {report['device']}: {name}, {report['model']['parameters'] / 1e9:.2f}B "
+          f"parameters, batch {tuple(tokens.shape)}, bf16 mixed precision\n")
+    s = report["step"]
+    print("| | eager | autopar (mesh of 1) | ratio |\n|---|---:|---:|---:|")
+    print(f"| step time (median of {args.steps}) | {s['eager_s'] * 1e3:.1f} ms | "
+          f"{s['compiled_s'] * 1e3:.1f} ms | {s['ratio']:.3f} |")
+    print(f"| peak memory | {s['eager_peak_bytes'] / 2**30:.2f} GiB | "
+          f"{s['compiled_peak_bytes'] / 2**30:.2f} GiB | "
+          f"{s['compiled_peak_bytes'] / max(s['eager_peak_bytes'], 1):.3f} |")
+    print(f"\nplanned step time {s['predicted_s'] * 1e3:.1f} ms; compile (trace + plan + "
+          f"lower) {report['compile_s']:.1f} s\n")
+    print("| op | output | measured | predicted (preset) | ratio | predicted (calibrated) | "
+          "ratio |\n|---|---|---:|---:|---:|---:|---:|")
+    for row in report["ops"]:
+        m, p, c = row["measured_s"], row["predicted_preset_s"], row["predicted_calibrated_s"]
+        print(f"| {row['op']} | {row['shape']} | {m * 1e6:.1f} us | {p * 1e6:.1f} us | "
+              f"{m / p:.2f} | {c * 1e6:.1f} us | {m / c:.2f} |")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
