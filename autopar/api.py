@@ -9,6 +9,7 @@ the rank's module.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.runtime.precision import check_precision, run_precision
 from passes.plan_build import build_plan
-from passes.solve import SolveRequest, solve_sharding
+from passes.solve import SolveRequest, no_constraints, solve_sharding
 from passes.trace import TracedModel, trace
 from plans.errors import UsageError
 from plans.io import load_plan, plan_from_dict
@@ -84,7 +85,7 @@ def _plan(
         options.optimizer,
         options.precision,
         options.time_limit,
-        style_constraints(options.force, mesh) if options.force else [],
+        partial(style_constraints, options.force) if options.force else no_constraints,
         zero_levels=(options.zero,) if options.zero is not None else (0, 1, 2),
     )
     solved = solve_sharding(traced, request)
@@ -95,6 +96,7 @@ def _plan(
         global_batch=global_batch,
         microbatch_size=batch,
         memory_limit=limit,
+        mesh=mesh,
     )
     return result, traced
 

@@ -11,14 +11,14 @@ tensor-parallel one (by default the last axis is ``tp`` and the others ``dp``).
   and matmuls take the batch sharded on them.
 - ``tp``: matmul weights sharded on the tp axis (Megatron's column and row splits; which one
   is up to the solver), replicated on the data axes; the batch sharded on the data axes;
-  the residual stream replicated on the tp axis.
+  the residual stream (adds of two [batch, sequence, hidden] tensors) replicated on tp.
 - ``tp+sp``: as ``tp``, but the residual stream (3-d adds) sharded on the sequence dim over
   the tp axis (Megatron's sequence parallelism).
 """
 
 from __future__ import annotations
 
-from passes.plan_build import MATMULS
+from passes.plan_build import ADDED_FIRST, MATMULS, is_residual_add
 from passes.solve import Constraint
 from passes.strategies.graph import NodeChoices
 from passes.strategies.types import Strategy
@@ -37,8 +37,8 @@ def style_constraints(style: str, mesh: MeshSpec, tp_axis: int | None = None) ->
     tp = (mesh.ndim - 1 if tp_axis is None else tp_axis) if style.startswith("tp") else None
     dp_axes = [a for a in axes if a != tp]
 
-    def batch_sharded(strategy: Strategy) -> bool:
-        first = strategy.inputs[0]
+    def batch_sharded(strategy: Strategy, act: int) -> bool:
+        first = strategy.inputs[act]
         return all(isinstance(first[a], Shard) and first[a].dim == 0 for a in dp_axes)
 
     def rule(node: str, choices: NodeChoices, strategy: Strategy) -> bool:
@@ -58,17 +58,19 @@ def style_constraints(style: str, mesh: MeshSpec, tp_axis: int | None = None) ->
         if note is None or choices.kind != "op":
             return True
         if note.op in MATMULS and strategy.inputs:
-            if not batch_sharded(strategy):
+            act = 1 if note.op in ADDED_FIRST else 0  # addmm: (bias, activation, weight)
+            if not batch_sharded(strategy, act):
                 return False
             if style in ("dp", "fsdp"):
                 weight_ok = all(
                     isinstance(strategy.inputs[i][a], Replicate)
-                    for i in range(1, len(strategy.inputs))
+                    for i in range(len(strategy.inputs))
+                    if i != act
                     for a in dp_axes
                 )
-                return weight_ok and all(isinstance(strategy.inputs[0][a], Shard) for a in axes)
+                return weight_ok and all(isinstance(strategy.inputs[act][a], Shard) for a in axes)
             return True
-        if tp is not None and note.op == "aten.add.Tensor" and len(note.outputs[0].shape) == 3:
+        if tp is not None and is_residual_add(choices):
             out = strategy.outputs[0][tp]
             if style == "tp+sp":
                 return isinstance(out, Shard) and out.dim == 1

@@ -25,6 +25,10 @@ moment. The steps run in the order that keeps the tensor smallest while it moves
 4. all-reduces (P -> R), while the other axes are still sharded;
 5. all-gathers (S -> R), which grow it.
 
+When a dim involved in the change is split by more than one mesh axis along the way
+(``plans.reshard_axiswise``), the per-axis order would nest pieces wrongly; the lowering
+then makes the tensor whole and cuts it again, and the cost is that of those two reshards.
+
 Axes that need the same collective in the same phase run it as one multi-axis collective, so
 ``MeshCost.collective`` may pick its hierarchical form (e.g. ``[P, P] -> [R, R]`` is one
 all-reduce over both axes). All-to-alls go one axis at a time.
@@ -49,7 +53,7 @@ from types import UnionType
 from typing import TYPE_CHECKING, NamedTuple
 
 from plans.errors import UsageError
-from plans.placement import Layout, Partial, Placement, Replicate, Shard
+from plans.placement import Layout, Partial, Placement, Replicate, Shard, reshard_axiswise
 
 if TYPE_CHECKING:
     from cost_model.collectives import MeshCost
@@ -101,6 +105,12 @@ def reshard_cost(
     """Steps and time to turn ``src`` into ``dst`` for a tensor of ``shape`` (cached)."""
     mesh_shape = cost.mesh.shape
     _check(src, dst, shape, len(mesh_shape))
+    if not reshard_axiswise(src, dst):
+        # the lowering makes the tensor whole and then cuts it (plans.reshard_axiswise)
+        whole = Layout.replicated(len(mesh_shape))
+        first = reshard_cost(cost, src, whole, shape, itemsize)
+        second = reshard_cost(cost, whole, dst, shape, itemsize)
+        return Reshard(first.time + second.time, first.steps + second.steps)
     total = float(math.prod(shape) * itemsize)
     now: list[Placement] = list(src.placements)
     target = dst.placements

@@ -21,7 +21,8 @@ training step per device, or bytes per device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from cost_model.collectives import MeshCost
@@ -32,6 +33,7 @@ from passes.strategies.types import Strategy
 from plans.placement import PARTIAL, REPLICATE, Layout, Partial, Replicate, Shard
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def dual(layout: Layout) -> Layout:
     """The layout of the gradient of a tensor in ``layout``: R and P swap, S stays."""
     return Layout(
@@ -64,6 +66,9 @@ class CostModel:
     optimizer: str = "adamw"
     precision: str = "fp32"
     zero: int = 0  # ZeRO stage applied to replicated axes of parameters: 0, 1 or 2
+    _edge_cache: dict[object, tuple[float, float]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -120,9 +125,18 @@ class CostModel:
     def edge_time(
         self, info: TensorInfo, src: Layout, dst: Layout, requires_grad: bool
     ) -> tuple[float, float]:
-        """(forward, backward) seconds to bring a tensor from ``src`` to ``dst``."""
+        """(forward, backward) seconds to bring a tensor from ``src`` to ``dst`` (cached)."""
         if src == dst:
             return 0.0, 0.0
+        key = (info, src, dst, requires_grad)
+        known = self._edge_cache.get(key)
+        if known is None:
+            known = self._edge_cache[key] = self._edge_time(info, src, dst, requires_grad)
+        return known
+
+    def _edge_time(
+        self, info: TensorInfo, src: Layout, dst: Layout, requires_grad: bool
+    ) -> tuple[float, float]:
         itemsize = info.nbytes // max(info.numel, 1)
         if info.dtype == "float32":
             itemsize = max(1, round(itemsize * self.activation_scale))

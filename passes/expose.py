@@ -16,11 +16,15 @@ its own, it is a plain shard::
     q, k, v = unbind(qkv, dim=-2)
 
 Now the output dim C (and W3's dim 1) can be sharded like any column-parallel linear, and
-the unbind runs on an unsharded dim. The pass rewrites the graph so; the parameter's shape
+the unbind runs on an unsharded dim. Hugging Face's GPT-2 writes the same with a Conv1D,
+``addmm(b, x2d, W)`` with ``W: [Cin, 3C]``, then a view back to ``[B, T, 3C]`` and the
+split; its weight is planned as ``[Cin, 3, C]``. The pass rewrites the graph so; the
+parameter's shape
 in the plan becomes ``[3, C, Cin]`` (the runtime reshapes the user's tensor, and back in
-``state_dict``). It applies when the linear's output has one user, a split (or chunk) into
-``k > 1`` equal parts along the last dim, and weight and bias are parameters used only
-there. Whether to shard is still the solver's decision.
+``state_dict``). It applies when the projection's output has one user (for the Conv1D, one
+view that keeps the last dim), a split (or chunk) into ``k > 1`` equal parts along the last
+dim, and weight and bias are parameters used only there. Whether to shard is still the
+solver's decision.
 
 Returns the parameters reshaped: ``{name: (original shape, planned shape)}``.
 """
@@ -29,6 +33,8 @@ from __future__ import annotations
 
 import operator
 import string
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
@@ -38,50 +44,55 @@ from passes.graph_edit import copy_meta, set_val
 aten = torch.ops.aten
 
 
+@dataclass(frozen=True)
+class Fused:
+    """A fused projection found in the graph."""
+
+    node: Node  # the linear (weight [F, Cin]) or addmm (GPT-2's Conv1D: weight [Cin, F])
+    x: Node
+    weight: Node
+    bias: Node | None
+    reshape: Node | None  # Conv1D: the view from [N, F] back to [B, T, F]
+    split: Node
+    parts: int
+
+    @property
+    def conv1d(self) -> bool:
+        return self.node.target is aten.addmm.default
+
+
 def expose_fused_projections(
     graph_module: GraphModule, params_of: dict[str, str]
 ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Rewrite fused linear-then-split projections (see the module docstring).
+    """Rewrite fused projection-then-split patterns (see the module docstring).
 
     ``params_of`` maps placeholder names to parameter names (the graph signature's)."""
     reshaped: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     graph = graph_module.graph
     for node in list(graph.nodes):
-        match = _match(node, params_of)
-        if match is None:
+        fused = _match(node, params_of)
+        if fused is None:
             continue
-        split, parts = match
-        weight, bias = node.args[1], node.args[2] if len(node.args) > 2 else None
-        assert isinstance(weight, Node)
-        out_features, in_features = weight.meta["val"].shape
-        block = out_features // parts
-        reshaped[params_of[weight.name]] = (
-            (out_features, in_features),
-            (parts, block, in_features),
-        )
-        _reshape_placeholder(weight, (parts, block, in_features))
-        if isinstance(bias, Node):
-            reshaped[params_of[bias.name]] = ((out_features,), (parts, block))
+        weight, bias, parts = fused.weight, fused.bias, fused.parts
+        rows, cols = weight.meta["val"].shape
+        features = cols if fused.conv1d else rows
+        block = features // parts
+        planned = (rows, parts, block) if fused.conv1d else (parts, block, cols)
+        reshaped[params_of[weight.name]] = ((rows, cols), planned)
+        _reshape_placeholder(weight, planned)
+        if bias is not None:
+            reshaped[params_of[bias.name]] = ((features,), (parts, block))
             _reshape_placeholder(bias, (parts, block))
-        x = node.args[0]
-        assert isinstance(x, Node)
-        lead = string.ascii_lowercase[: x.meta["val"].dim() - 1]
-        equation = f"{lead}i,kci->{lead}kc"
-        with graph.inserting_after(node):
-            product = graph.call_function(aten.einsum.default, (equation, [x, weight]))
-            copy_meta(node, product)
-            set_val(product)
-            last = product
-            if isinstance(bias, Node):
-                with graph.inserting_after(product):
-                    last = graph.call_function(aten.add.Tensor, (product, bias))
-                copy_meta(node, last)
-                set_val(last)
-            with graph.inserting_after(last):
-                pieces = graph.call_function(aten.unbind.int, (last, -2))
-            copy_meta(split, pieces)
-            set_val(pieces)
-        for user in list(split.users):
+        lead = string.ascii_lowercase[: fused.x.meta["val"].dim() - 1]
+        equation = f"{lead}i,ikc->{lead}kc" if fused.conv1d else f"{lead}i,kci->{lead}kc"
+        last = _append(graph, fused.node, aten.einsum.default, (equation, [fused.x, weight]))
+        if bias is not None:
+            last = _append(graph, last, aten.add.Tensor, (last, bias), meta_from=fused.node)
+        if fused.reshape is not None:
+            shape = [*fused.reshape.meta["val"].shape[:-1], parts, block]
+            last = _append(graph, last, aten.view.default, (last, shape), meta_from=fused.reshape)
+        pieces = _append(graph, last, aten.unbind.int, (last, -2), meta_from=fused.split)
+        for user in list(fused.split.users):
             assert user.target is operator.getitem
             with graph.inserting_before(user):
                 piece = graph.call_function(operator.getitem, (pieces, user.args[1]))
@@ -91,31 +102,78 @@ def expose_fused_projections(
             user.replace_all_uses_with(piece)
             graph.erase_node(user)
             _refresh_views(piece, old_storage)
-        graph.erase_node(split)
-        graph.erase_node(node)
+        graph.erase_node(fused.split)
+        if fused.reshape is not None:
+            graph.erase_node(fused.reshape)
+        graph.erase_node(fused.node)
     if reshaped:
         graph.lint()
         graph_module.recompile()
     return reshaped
 
 
-def _match(node: Node, params_of: dict[str, str]) -> tuple[Node, int] | None:
-    """(the split, number of parts) when ``node`` is a fused projection, else None."""
-    if node.op != "call_function" or node.target is not aten.linear.default:
+def _append(
+    graph: torch.fx.Graph,
+    after: Node,
+    target: Any,
+    args: tuple[Any, ...],
+    meta_from: Node | None = None,
+) -> Node:
+    """A new node right after ``after``, with the module path of ``meta_from`` (default
+    ``after``) and its fake value."""
+    with graph.inserting_after(after):
+        node = graph.call_function(target, args)
+    copy_meta(meta_from or after, node)
+    set_val(node)
+    return node
+
+
+def _match(node: Node, params_of: dict[str, str]) -> Fused | None:
+    """The fused projection ``node`` starts, or None."""
+    if node.op != "call_function":
         return None
-    weight = node.args[1]
-    bias = node.args[2] if len(node.args) > 2 else None
-    if not isinstance(weight, Node) or weight.name not in params_of or len(weight.users) != 1:
+    if node.target is aten.linear.default:
+        x, weight = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else None
+    elif node.target is aten.addmm.default and not node.kwargs:
+        bias, x, weight = node.args[0], node.args[1], node.args[2]
+    else:
         return None
-    if bias is not None and (
-        not isinstance(bias, Node) or bias.name not in params_of or len(bias.users) != 1
-    ):
+    if not _only_used_here(weight, params_of) or not isinstance(x, Node):
+        return None
+    if bias is not None and not _only_used_here(bias, params_of):
         return None
     if len(node.users) != 1:
         return None
-    (split,) = node.users
-    out = node.meta["val"]
-    if split.op != "call_function" or not all(u.target is operator.getitem for u in split.users):
+    (user,) = node.users
+    reshape = None
+    if node.target is aten.addmm.default:
+        # Conv1D: [N, F] viewed back to [B, T, F] before the split; the view keeps F last
+        if (
+            user.target not in (aten.view.default, aten._unsafe_view.default)
+            or len(user.users) != 1
+            or user.meta["val"].shape[-1] != node.meta["val"].shape[-1]
+        ):
+            return None
+        reshape, (user,) = user, tuple(user.users)
+    parts = _equal_parts_on_last_dim(user, (reshape or node).meta["val"])
+    if parts is None:
+        return None
+    assert isinstance(weight, Node)
+    return Fused(node, x, weight, bias if isinstance(bias, Node) else None, reshape, user, parts)
+
+
+def _only_used_here(value: Any, params_of: dict[str, str]) -> bool:
+    return isinstance(value, Node) and value.name in params_of and len(value.users) == 1
+
+
+def _equal_parts_on_last_dim(split: Node, out: torch.Tensor) -> int | None:
+    """How many equal parts ``split`` cuts ``out``'s last dim into (None: not such a split)."""
+    if (
+        split.op != "call_function"
+        or not split.users
+        or not all(u.target is operator.getitem for u in split.users)
+    ):
         return None
     features = out.shape[-1]
     if split.target is aten.split.Tensor:
@@ -123,14 +181,14 @@ def _match(node: Node, params_of: dict[str, str]) -> tuple[Node, int] | None:
         dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
         parts = features // size if isinstance(size, int) and size and features % size == 0 else 0
     elif split.target is aten.chunk.default:
-        parts = split.args[1]
+        count = split.args[1]
         dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-        parts = parts if isinstance(parts, int) and features % parts == 0 else 0
+        parts = count if isinstance(count, int) and features % count == 0 else 0
     else:
         return None
     if dim not in (-1, out.dim() - 1) or parts < 2:
         return None
-    return split, parts
+    return parts
 
 
 def _refresh_views(start: Node, old_storage: int) -> None:

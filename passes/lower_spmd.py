@@ -50,7 +50,7 @@ from passes.strategies.localize import localize
 from passes.strategies.types import Strategy
 from passes.trace import TracedModel
 from plans.mesh import MeshSpec
-from plans.placement import REPLICATE, Layout, Partial, Replicate, Shard
+from plans.placement import REPLICATE, Layout, Partial, Replicate, Shard, reshard_axiswise
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
@@ -255,7 +255,7 @@ class _Lowering:
         return value
 
     def _reshard(self, x: torch.fx.Node, have: Layout, want: Layout) -> torch.fx.Node:
-        if _simple(have, want):
+        if reshard_axiswise(have, want):
             return self._reshard_per_axis(x, have, want)
         # general case: make it whole, then take what is wanted
         whole = self._reshard_per_axis(x, have, self._replicated())
@@ -277,7 +277,9 @@ class _Lowering:
             elif isinstance(src, Replicate) and isinstance(dst, Partial):
                 x = graph.call_function(local_ops.zero_unless_first, (x, coords[axis]))
                 now[axis] = dst
-            elif isinstance(src, Shard) and isinstance(dst, Partial):
+        for axis in reversed(range(len(now))):  # inner axis first, as all-gathers do
+            src, dst = now[axis], want[axis]
+            if isinstance(src, Shard) and isinstance(dst, Partial):
                 x = graph.call_function(local_ops.zero_pad, (x, src.dim, coords[axis], sizes[axis]))
                 now[axis] = dst
         for axis in range(len(now)):
@@ -307,23 +309,6 @@ class _Lowering:
         self.out.collectives[name] = (kind, axis)
         self.out.counts[kind] = self.out.counts.get(kind, 0) + 1
         return self.out.graph.call_module(name, args)
-
-
-def _simple(have: Layout, want: Layout) -> bool:
-    """Whether resharding axis by axis is exact: no tensor dim involved in a change is split
-    by more than one mesh axis (then the pieces' order is not the per-axis order)."""
-    involved = set()
-    for src, dst in zip(have, want, strict=True):
-        if src != dst:
-            for p in (src, dst):
-                if isinstance(p, Shard):
-                    involved.add(p.dim)
-    for dim in involved:
-        axes_have = sum(1 for p in have if isinstance(p, Shard) and p.dim == dim)
-        axes_want = sum(1 for p in want if isinstance(p, Shard) and p.dim == dim)
-        if max(axes_have, axes_want) > 1:
-            return False
-    return True
 
 
 def local_shard(

@@ -15,10 +15,13 @@ from cost_model.step import mfu
 from passes.annotation import META_KEY
 from passes.costs import dual, zero_layout_of
 from passes.solve import Solved
+from passes.strategies.graph import NodeChoices
 from passes.trace import TracedModel
+from plans.mesh import MeshSpec
 from plans.placement import Layout, Replicate, Shard
 from plans.plan import Estimate, MemoryBreakdown, OpPlan, Parallelism, ParamPlan, Plan
 
+ADDED_FIRST = {"aten.addmm.default", "aten.baddbmm.default"}
 MATMULS = {
     "aten.linear.default",
     "aten.mm.default",
@@ -30,6 +33,14 @@ MATMULS = {
 }
 
 
+def expand_layout(layout: Layout, groups: tuple[tuple[int, ...], ...]) -> Layout:
+    """A layout on a grouped mesh as the same layout on the mesh's own axes: each grouped
+    axis's placement on every axis of its group (``passes.solve.group_axes``)."""
+    if len(groups) == len(layout) and all(len(g) == 1 for g in groups):
+        return layout
+    return Layout(*(layout[i] for i, group in enumerate(groups) for _ in group))
+
+
 def build_plan(
     traced: TracedModel,
     solved: Solved,
@@ -38,15 +49,17 @@ def build_plan(
     global_batch: int,
     microbatch_size: int,
     memory_limit: float | None,
+    mesh: MeshSpec | None = None,
 ) -> Plan:
-    mesh = solved.cost.mesh_cost.mesh
+    """The plan, on ``mesh`` (default: the mesh solved on; a grouped mesh's layouts are
+    expanded back onto ``mesh``'s axes, see ``expand_layout``)."""
     microbatches = global_batch // microbatch_size
     params = _param_plans(traced, solved)
     ops = _op_plans(traced, solved)
     estimate = _estimate(traced, solved, microbatches, params)
-    return Plan(
+    plan = Plan(
         model=model,
-        mesh=mesh,
+        mesh=solved.cost.mesh_cost.mesh,
         global_batch=global_batch,
         microbatch_size=microbatch_size,
         optimizer=solved.cost.optimizer,
@@ -59,6 +72,34 @@ def build_plan(
         solver=solved.report,
         warnings=tuple(solved.warnings + traced.warnings),
     )
+    if mesh is None or mesh == plan.mesh:
+        return plan
+    return _on_mesh(plan, mesh, solved.axis_groups)
+
+
+def _on_mesh(plan: Plan, mesh: MeshSpec, groups: tuple[tuple[int, ...], ...]) -> Plan:
+    """The same plan with every layout expanded from the grouped mesh onto ``mesh``."""
+
+    def expand(layout: Layout | None) -> Layout | None:
+        return None if layout is None else expand_layout(layout, groups)
+
+    params = {
+        name: p.model_copy(
+            update={
+                "param": expand(p.param),
+                "grad": expand(p.grad),
+                "optimizer": expand(p.optimizer),
+            }
+        )
+        for name, p in plan.params.items()
+    }
+    ops = {
+        name: o.model_copy(
+            update={"output": expand(o.output), "inputs": tuple(expand(i) for i in o.inputs)}
+        )
+        for name, o in plan.ops.items()
+    }
+    return plan.model_copy(update={"mesh": mesh, "params": params, "ops": ops})
 
 
 def _param_plans(traced: TracedModel, solved: Solved) -> dict[str, ParamPlan]:
@@ -117,18 +158,19 @@ def _parallelism(
         if note.op not in MATMULS or node.name not in solved.decisions.bindings:
             continue
         strategy = solved.strategy(node.name)
+        if len(strategy.inputs) < 2:
+            continue
+        # addmm and baddbmm take the added tensor first: (bias, activation, weight)
+        act, wgt = (1, 2) if note.op in ADDED_FIRST else (0, 1)
         flops = note.fwd_flops
         total += flops
+        tokens = len(note.outputs[0].shape) - 1  # dims before the feature dim
         for axis in range(len(mesh_shape)):
-            first = strategy.inputs[0][axis] if strategy.inputs else None
-            tokens = len(note.outputs[0].shape) - 1  # dims before the feature dim
+            first = strategy.inputs[act][axis]
             on_tokens = isinstance(first, Shard) and first.dim < tokens
             if on_tokens:
                 batch[axis] += flops
-            weight_sharded = len(strategy.inputs) > 1 and isinstance(
-                strategy.inputs[1][axis], Shard
-            )
-            if weight_sharded and not on_tokens:
+            if isinstance(strategy.inputs[wgt][axis], Shard) and not on_tokens:
                 weight[axis] += flops
     dp_axes = [a for a in range(len(mesh_shape)) if total and batch[a] * 2 > total]
     tp_axes = [
@@ -152,19 +194,24 @@ def _parallelism(
     )
 
 
+def is_residual_add(choices: NodeChoices) -> bool:
+    """A transformer's residual add: two [batch, sequence, hidden] tensors of one shape
+    (a bias added to a projection broadcasts, and does not count)."""
+    call = choices.call
+    if call is None or str(call.target) != "aten.add.Tensor" or len(call.inputs) != 2:
+        return False
+    left, right = call.inputs
+    return len(left.shape) == 3 and left.shape == right.shape
+
+
 def _sequence_sharded(traced: TracedModel, solved: Solved, axis: int) -> bool:
-    adds = [
-        n
-        for n in traced.graph.nodes
-        if n.meta[META_KEY].op == "aten.add.Tensor"
-        and n.name in solved.decisions.bindings
-        and len(n.meta[META_KEY].outputs[0].shape) == 3
-    ]
+    """Whether most residual adds are sharded on the sequence (dim 1) over ``axis``."""
+    adds = [name for name, choices in solved.decisions.choices.items() if is_residual_add(choices)]
     if not adds:
         return False
     sharded = 0
-    for node in adds:
-        layout = solved.output_layout(node.name)
+    for name in adds:
+        layout = solved.output_layout(name)
         if isinstance(layout[axis], Shard) and layout[axis].dim == 1:
             sharded += 1
     return sharded * 2 > len(adds)

@@ -17,8 +17,9 @@ the term that dominates it and what would help.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cost_model.collectives import MeshCost
 from cost_model.hardware import load_preset
@@ -40,6 +41,14 @@ from plans.units import format_bytes
 Constraint = Callable[[str, NodeChoices, Strategy], bool]
 
 
+# Constraints are made for the mesh the ILP is solved on (see ``solve_sharding``).
+Constraints = Callable[[MeshSpec], list[Constraint]]
+
+
+def no_constraints(mesh: MeshSpec) -> list[Constraint]:
+    return []
+
+
 @dataclass
 class SolveRequest:
     mesh: MeshSpec
@@ -47,7 +56,7 @@ class SolveRequest:
     optimizer: str = "adamw"
     precision: str = "fp32"
     time_limit: float = 60.0
-    constraints: list[Constraint] = field(default_factory=list)
+    constraints: Constraints = no_constraints
     zero_levels: tuple[int, ...] = (0, 1, 2)
 
 
@@ -63,6 +72,8 @@ class Solved:
     report: SolverReport
     zero: int
     warnings: list[str]
+    # the mesh's axes each solved axis stands for (``group_axes``); one each when ungrouped
+    axis_groups: tuple[tuple[int, ...], ...] = ()
 
     def strategy(self, node: str) -> Strategy:
         binding = self.decisions.bindings[node]
@@ -74,13 +85,73 @@ class Solved:
 
 
 def solve_sharding(traced: TracedModel, request: SolveRequest) -> Solved:
-    """Choose a strategy for every node of ``traced`` on ``request.mesh``."""
-    mesh = request.mesh
+    """Choose a strategy for every node of ``traced`` on ``request.mesh``.
+
+    A mesh of more than two axes (of size > 1) is solved as each of its 2-d groupings of
+    adjacent axes (``group_axes``), and the cheapest is kept: a layout on a grouped axis is
+    the same layout on each axis of the group (Shard(d) on both splits d outer axis first,
+    exactly as the grouped axis does), so the plan maps back exactly. Per-op strategies grow
+    as (choices per axis) ** axes; grouping keeps the ILP at a 2-d mesh's size, at the price
+    of the strategies that treat the axes of a group differently.
+    """
+    groupings = group_axes(request.mesh)
+    if len(groupings) == 1:
+        return _solve(traced, request, groupings[0])
+    best: Solved | None = None
+    failure: InfeasiblePlanError | None = None
+    for groups in groupings:
+        try:
+            solved = _solve(traced, request, groups)
+        except InfeasiblePlanError as error:
+            failure = error
+            continue
+        if best is None or (solved.report.objective or 0.0) < (best.report.objective or 0.0):
+            best = solved
+    if best is None:
+        assert failure is not None
+        raise failure
+    return best
+
+
+def group_axes(mesh: MeshSpec) -> list[tuple[tuple[int, ...], ...]]:
+    """The ways to see ``mesh`` as at most two axes of size > 1 by merging adjacent ones
+    (axes of size 1 ride along with a neighbour)."""
+    big = [a for a, size in enumerate(mesh.shape) if size > 1]
+    if len(big) <= 2:
+        return [tuple((a,) for a in range(mesh.ndim))]
+    groupings = []
+    for cut in big[1:]:
+        groupings.append((tuple(range(cut)), tuple(range(cut, mesh.ndim))))
+    return groupings
+
+
+def grouped_mesh(mesh: MeshSpec, groups: tuple[tuple[int, ...], ...]) -> MeshSpec:
+    """The mesh whose axis ``i`` is the product of ``mesh``'s axes ``groups[i]``."""
+    if all(len(g) == 1 for g in groups):
+        return mesh
+    shape = tuple(math.prod(mesh.shape[a] for a in g) for g in groups)
+    names = tuple("_".join(mesh.axis_names[a] for a in g) for g in groups)
+    return mesh.model_copy(update={"shape": shape, "axis_names": names})
+
+
+def _solve(
+    traced: TracedModel, request: SolveRequest, groups: tuple[tuple[int, ...], ...]
+) -> Solved:
+    mesh = grouped_mesh(request.mesh, groups)
+    request = SolveRequest(
+        mesh,
+        request.memory_limit,
+        request.optimizer,
+        request.precision,
+        request.time_limit,
+        request.constraints,
+        request.zero_levels,
+    )
     choices, warnings = graph_choices(traced.graph, mesh.shape)
     representatives = layer_representatives(traced.graph)
     tied = {node: info.nodes[0] for info in traced.params.values() for node in info.nodes[1:]}
     decisions = group_decisions(choices, representatives, tied)
-    allowed = allowed_choices(decisions, request.constraints)
+    allowed = allowed_choices(decisions, request.constraints(mesh))
     mesh_cost = MeshCost(mesh, load_preset(mesh.device))
     last: tuple[ProblemParts, CostModel] | None = None
     for zero in request.zero_levels:
@@ -104,7 +175,15 @@ def solve_sharding(traced: TracedModel, request: SolveRequest) -> Solved:
                     f"the best plan found so far (gap {report.gap})"
                 )
             return Solved(
-                decisions, representatives, solution.choice, parts, cost, report, zero, warnings
+                decisions,
+                representatives,
+                solution.choice,
+                parts,
+                cost,
+                report,
+                zero,
+                warnings,
+                groups,
             )
     assert last is not None
     raise infeasible_error(last[0], request)

@@ -25,6 +25,7 @@ from plans.placement import (
     format_spec,
     layout_from_spec,
     parse_placement,
+    reshard_axiswise,
     spec_from_layout,
 )
 from plans.plan import (
@@ -79,6 +80,7 @@ __all__ = [
     "parse_mesh_shape",
     "parse_placement",
     "plan_from_dict",
+    "reshard_axiswise",
     "save_plan",
     "spec_from_layout",
 ]

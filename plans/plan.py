@@ -74,7 +74,8 @@ class Estimate(_Frozen):
     stages: tuple[StageEstimate, ...] = ()
     collectives: dict[str, int] = Field(
         default_factory=dict,
-        description="Collectives the forward pass of one microbatch runs, by kind.")
+        description="Collectives the forward pass of one microbatch runs, by kind.",
+    )
 
 
 class ParamPlan(_Frozen):

@@ -12,8 +12,14 @@ def test_readme_python_example_runs(tmp_path):
     code = text.split("```python", 1)[1].split("```", 1)[0]
     script = tmp_path / "example.py"
     script.write_text(code)
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                            timeout=600, check=False, cwd=README.parent)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        cwd=README.parent,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert lines[0].startswith("dp=")  # the parallelism summary

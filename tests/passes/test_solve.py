@@ -99,7 +99,8 @@ def test_a_solver_time_out_returns_the_best_plan_with_its_gap_and_a_warning(monk
     def stopped_early(problem, time_limit, backend="highs"):
         solution = solve_ilp(problem, time_limit, backend)
         report = solution.report.model_copy(
-            update={"status": "feasible (time limit; best found)", "gap": 0.07})
+            update={"status": "feasible (time limit; best found)", "gap": 0.07}
+        )
         return type(solution)(solution.choice, report, True)
 
     monkeypatch.setattr(solve_module, "solve_ilp", stopped_early)

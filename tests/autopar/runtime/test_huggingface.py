@@ -1,0 +1,43 @@
+"""Hugging Face GPT-2 and Llama (from configs) plan with no unknown op and train exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.testing.ranks import run_ranks
+from passes.strategies.graph import graph_choices
+from passes.trace import trace
+from tests.autopar.runtime.hf import compare_hf, make
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral"])
+def test_every_op_of_a_huggingface_decoder_has_a_rule(kind: str) -> None:
+    if kind == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+
+        model = MistralForCausalLM(
+            MistralConfig(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                use_cache=False,
+            )
+        )
+    else:
+        model = make(kind)
+    traced = trace(model, (torch.randint(0, 64, (4, 16)),), {"use_cache": False})
+    _, warnings = graph_choices(traced.graph, (2, 2))
+    assert warnings == []
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("kind", "style"), [("llama", "tp"), ("gpt2", "tp+sp"), ("gpt2", None)])
+def test_huggingface_decoder_compiled_on_four_ranks_equals_one_device(kind, style) -> None:
+    (result, *_) = run_ranks(compare_hf, 4, (kind, style))
+    single, compiled = result["losses"]
+    assert compiled == pytest.approx(single, rel=1e-5)
+    assert result["worst_relative_grad_error"] < 1e-4
