@@ -21,8 +21,8 @@ from autopar.force import style_constraints
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.runtime.precision import check_precision, run_precision
-from passes.plan_build import build_plan
-from passes.solve import SolveRequest, no_constraints, solve_sharding
+from passes.pipeline.search import PipelineRequest, plan_pipeline
+from passes.solve import SolveRequest, no_constraints
 from passes.trace import TracedModel, trace
 from plans.errors import UsageError
 from plans.io import load_plan, plan_from_dict
@@ -88,16 +88,18 @@ def _plan(
         partial(style_constraints, options.force) if options.force else no_constraints,
         zero_levels=(options.zero,) if options.zero is not None else (0, 1, 2),
     )
-    solved = solve_sharding(traced, request)
-    result = build_plan(
-        traced,
-        solved,
-        model=options.name or type(model).__name__,
-        global_batch=global_batch,
-        microbatch_size=batch,
-        memory_limit=limit,
-        mesh=mesh,
+    stages = options.stages if options.stages is not None or not options.force else 1
+    pipeline = PipelineRequest(
+        request,
+        global_batch,
+        batch,
+        options.name or type(model).__name__,
+        stages,
+        options.schedule,
+        options.microbatches,
+        options.chunks,
     )
+    result = plan_pipeline(traced, pipeline)
     return result, traced
 
 
@@ -225,6 +227,9 @@ def _build(
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     options = dict(options)
     given = options.pop("plan", None)
+    # The pipeline runtime (stage modules on torch.distributed.pipelining) is not built yet:
+    # a compiled model is planned without pipeline stages until it is.
+    options.setdefault("stages", 1)
     inputs, outputs = options.pop("inputs", "global"), options.pop("outputs", "whole")
     if "precision" in options:
         run_precision(options["precision"], device.type)  # before planning: fail fast

@@ -32,6 +32,14 @@ class PlanOptions(BaseModel):
         "default: the least that fits the memory limit.",
     )
     time_limit: float = Field(60.0, gt=0, description="Solver seconds.")
+    stages: int | None = Field(None, ge=1, description="Pipeline stages (default: searched).")
+    schedule: Literal["gpipe", "1f1b", "interleaved"] | None = Field(
+        None, description="Pipeline schedule (default: searched)."
+    )
+    microbatches: int | None = Field(
+        None, ge=1, description="Microbatches per step (default: searched)."
+    )
+    chunks: int | None = Field(None, ge=1, description="Interleaved stages per device.")
     name: str | None = Field(None, description="The model's name in the plan.")
 
     @classmethod

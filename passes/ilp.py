@@ -230,7 +230,7 @@ def _run(model: pulp.LpProblem, time_limit: float, backend: str) -> tuple[str, s
         if not solver.available():
             continue
         try:
-            with _quiet_stdout():
+            with quiet_stdout():
                 status = model.solve(solver)
         except pulp.PulpSolverError as error:
             last_error = error
@@ -240,7 +240,7 @@ def _run(model: pulp.LpProblem, time_limit: float, backend: str) -> tuple[str, s
 
 
 @contextlib.contextmanager
-def _quiet_stdout() -> Iterator[None]:
+def quiet_stdout() -> Iterator[None]:
     """HiGHS prints a banner from C++ when first created; keep the user's terminal clean."""
     sys.stdout.flush()
     saved = os.dup(1)

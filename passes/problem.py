@@ -14,7 +14,7 @@ identical layers repeat them, so building the problem stays flat in depth.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from passes.costs import CostModel
 from passes.decisions import Decisions
@@ -57,7 +57,12 @@ def build_problem(
     representatives: dict[str, str],
     memory_limit: float | None,
     allowed: dict[str, set[int]] | None = None,
+    microbatches: int = 1,
 ) -> ProblemParts:
+    """The ILP's coefficients. ``microbatches``: a step runs that many forward and backward
+    passes (gradient accumulation, pipelines) but synchronises gradients once, so the
+    objective weighs per-microbatch time (compute, resharding, parameter gathers) by it;
+    the returned breakdowns stay per microbatch."""
     choices = {name: len(d.strategies) for name, d in decisions.decisions.items()}
     parts = ProblemParts(
         IlpProblem(choices=choices, memory_limit=memory_limit, allowed=dict(allowed or {}))
@@ -74,16 +79,22 @@ def build_problem(
     problem = parts.problem
     for name in choices:
         fwd, bwd = parts.compute_fwd[name], parts.compute_bwd[name]
-        problem.hidden_by[name] = [f + b for f, b in zip(fwd, bwd, strict=True)]
+        problem.hidden_by[name] = [microbatches * (f + b) for f, b in zip(fwd, bwd, strict=True)]
         problem.cost[name] = [
-            c + e for c, e in zip(problem.hidden_by[name], parts.self_edge[name], strict=True)
+            c + microbatches * e
+            for c, e in zip(problem.hidden_by[name], parts.self_edge[name], strict=True)
         ]
         problem.overlappable[name] = list(parts.sync[name])
         problem.memory[name] = [
             a + sum(m)
             for a, m in zip(parts.activations[name], parts.model_states[name], strict=True)
         ]
-    problem.edges = [term for term, _, _ in parts.edge_terms]
+    problem.edges = [
+        replace(term, cost={pq: microbatches * c for pq, c in term.cost.items()})
+        if microbatches != 1
+        else term
+        for term, _, _ in parts.edge_terms
+    ]
     return parts
 
 

@@ -58,6 +58,7 @@ class SolveRequest:
     time_limit: float = 60.0
     constraints: Constraints = no_constraints
     zero_levels: tuple[int, ...] = (0, 1, 2)
+    microbatches: int = 1  # per step: weighs per-microbatch time against per-step sync
 
 
 @dataclass
@@ -156,7 +157,14 @@ def _solve(
     last: tuple[ProblemParts, CostModel] | None = None
     for zero in request.zero_levels:
         cost = CostModel(mesh_cost, request.optimizer, request.precision, zero)
-        parts = build_problem(decisions, cost, representatives, request.memory_limit, allowed)
+        parts = build_problem(
+            decisions,
+            cost,
+            representatives,
+            request.memory_limit,
+            allowed,
+            request.microbatches,
+        )
         solution = solve_ilp(parts.problem, request.time_limit)
         last = (parts, cost)
         if solution.timed_out:

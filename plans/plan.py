@@ -37,6 +37,7 @@ class Parallelism(_Frozen):
     zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 optimizer, 2 +grads, 3 +params.")
     microbatches: int = Field(1, ge=1)
     schedule: Schedule = "none"
+    chunks: int = Field(1, ge=1, description="Stages per device (interleaved 1F1B's v).")
 
 
 class MemoryBreakdown(_Frozen):
@@ -106,7 +107,12 @@ class OpPlan(_Frozen):
 
 
 class Stage(_Frozen):
-    """One pipeline stage: the layers it runs and the devices that run it."""
+    """One pipeline stage: the layers it runs and the devices that run it.
+
+    With interleaving (``Parallelism.chunks`` = v > 1) there are ``pp * v`` stages and the
+    devices of physical stage ``index % pp`` run stage ``index``. The first stage also runs
+    what comes before the layers (embeddings), the last what comes after (head, loss).
+    """
 
     index: int
     layers: tuple[int, int] = Field(description="First and last layer index, inclusive.")
@@ -161,6 +167,9 @@ class Plan(_Frozen):
     memory_limit_bytes: float | None = None
     parallelism: Parallelism
     estimate: Estimate
+    stage_mesh: MeshSpec | None = Field(
+        None, description="With pipeline stages: the mesh of one stage (the outer axis "
+        "divided by pp); every layout of the plan is on it.")
     params: dict[str, ParamPlan]
     ops: dict[str, OpPlan]
     stages: tuple[Stage, ...] = ()

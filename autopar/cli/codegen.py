@@ -38,7 +38,9 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.rank < mesh.size:
         raise UsageError(f"--rank {args.rank}: the mesh has ranks 0..{mesh.size - 1}")
     model, inputs, name = build_model(args.model, parse_config(args.config), meta=True)
-    plan = load_plan(args.plan) if args.plan else autopar.plan(model, mesh, inputs, name=name)
+    # pipeline plans lower per stage (next); codegen plans without stages for now
+    plan = load_plan(args.plan) if args.plan else autopar.plan(model, mesh, inputs, name=name,
+                                                               stages=1)
     traced = trace(model, inputs)
     layouts = PlanLayouts(traced, plan)
     coords = plan.mesh.coordinates(args.rank)

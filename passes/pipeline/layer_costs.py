@@ -1,0 +1,154 @@
+"""Per-layer costs of an intra-op solution, for cutting the model into pipeline stages.
+
+Reads a ``Solved`` (strategies on one stage's mesh) and the annotated graph; writes one
+``Part`` per layer plus the parts before the first layer (``pre``: embeddings) and after the
+last (``post``: final norm, head). Every number is for one microbatch of the traced batch,
+per device of a stage: forward and backward compute, resharding inside the part (forward
+and backward), saved activations; and, per step, parameter state bytes and gradient sync.
+A node belongs to its layer; a node outside the layers goes to ``pre`` when it comes before
+the first layer's first node in graph order, else to ``post``. A parameter used on both
+sides (a tied embedding and head) is counted on both: both stages hold a copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from passes.annotation import META_KEY
+from passes.solve import Solved
+from passes.trace import TracedModel
+
+
+@dataclass(eq=False)  # parts are told apart by identity
+class Part:
+    """Costs of one layer (or the part before or after the layers) on one stage's mesh."""
+
+    compute_s: float = 0.0  # forward + backward, one microbatch
+    forward_s: float = 0.0
+    comm_s: float = 0.0  # resharding inside the part, forward + backward, one microbatch
+    gather_s: float = 0.0  # parameter gathers (FSDP) and their adjoints, one microbatch
+    activations: float = 0.0  # saved bytes, one microbatch
+    states: float = 0.0  # parameters + gradients + optimizer states
+    sync_s: float = 0.0  # gradient synchronisation, once per step
+    boundary_bytes: float = 0.0  # what the part hands to the next, per device
+    params: set[str] = field(default_factory=set)
+
+    @property
+    def time_s(self) -> float:
+        """Per microbatch: compute, resharding, and parameter gathers that the compute
+        does not hide (they are prefetched ahead of use)."""
+        return self.compute_s + self.comm_s + max(0.0, self.gather_s - self.compute_s)
+
+
+@dataclass
+class LayerCosts:
+    pre: Part
+    layers: list[Part]
+    post: Part
+
+
+def layer_costs(traced: TracedModel, solved: Solved) -> LayerCosts:
+    """Split the solution's costs by layer (see the module docstring)."""
+    container = traced.layers
+    count = container.count if container else 0
+    parts = [Part() for _ in range(count)]
+    pre, post = Part(), Part()
+    first_layer_seen = False
+    part_of: dict[str, Part] = {}
+    cost = solved.cost
+    for node in traced.graph.nodes:
+        note = node.meta[META_KEY]
+        if note.layer is not None and node.op != "placeholder":
+            first_layer_seen = True
+            part = parts[note.layer]
+        elif note.layer is not None:
+            part = parts[note.layer]
+        else:
+            part = post if first_layer_seen else pre
+        part_of[node.name] = part
+    # parameters outside layers go with the nodes that use them (a tied weight: with both)
+    for info in traced.params.values():
+        users = {part_of[u.name] for n in info.nodes for u in _users(traced, n)}
+        owners = users or {pre}
+        layout = solved.output_layout(info.nodes[0])
+        param = cost.param_cost(
+            traced.graph_module.graph.find_nodes(op="placeholder", target=info.nodes[0])[0]
+            .meta[META_KEY]
+            .outputs[0],
+            layout,
+        )
+        for part in owners:
+            if info.name in part.params:
+                continue
+            part.params.add(info.name)
+            part.states += param.memory
+            part.sync_s += param.sync_s
+    decisions = solved.decisions
+    for node in traced.graph.nodes:
+        if node.name not in decisions.bindings or node.op != "call_function":
+            continue
+        binding = decisions.bindings[node.name]
+        if binding.source is not None:
+            continue
+        note = node.meta[META_KEY]
+        strategy = solved.strategy(node.name)
+        part = part_of[node.name]
+        fwd, bwd = cost.op_time(note, strategy)
+        part.compute_s += fwd + bwd
+        part.forward_s += fwd
+        part.activations += cost.activation_bytes(note, strategy)
+        if binding.mapping is not None:
+            continue  # a follower takes its producer's layout as it is
+        for i, source in enumerate(decisions.choices[node.name].inputs):
+            producer = decisions.choices[source.producer]
+            if producer.note is None:
+                continue
+            src = solved.output_layout(source.producer, source.index)
+            f, b = cost.edge_time(
+                producer.note.outputs[source.index],
+                src,
+                strategy.inputs[i],
+                producer.note.requires_grad,
+            )
+            if producer.kind == "param":
+                part.gather_s += f + b
+            else:
+                part.comm_s += f + b
+    for index, part in enumerate(parts):
+        part.boundary_bytes = _boundary_bytes(
+            traced, solved, part_of, part, parts[index + 1] if index + 1 < count else post
+        )
+    pre.boundary_bytes = _boundary_bytes(traced, solved, part_of, pre, parts[0] if parts else post)
+    return LayerCosts(pre, parts, post)
+
+
+def _users(traced: TracedModel, name: str) -> list[torch.fx.Node]:
+    (node,) = traced.graph.find_nodes(op="placeholder", target=name)
+    return list(node.users)
+
+
+def _boundary_bytes(
+    traced: TracedModel, solved: Solved, part_of: dict[str, Part], part: Part, following: Part
+) -> float:
+    """Bytes per device of the tensors ``part`` produces that later parts consume: what a
+    pipeline cut after it sends to the next stage (its local shards)."""
+    mesh_shape = solved.cost.mesh_shape
+    total = 0.0
+    for node in traced.graph.nodes:
+        if part_of.get(node.name) is not part or node.op != "call_function":
+            continue
+        crosses = any(
+            part_of.get(user.name) not in (part, None) and user.op != "output"
+            for user in node.users
+        )
+        if not crosses or node.name not in solved.decisions.bindings:
+            continue
+        note = node.meta[META_KEY]
+        if note.kind == "view" and note.alias_of is not None:
+            continue  # sent with its base
+        layout = solved.output_layout(node.name)
+        total += note.outputs[0].nbytes / layout.shard_factor(mesh_shape)
+    del following
+    return total

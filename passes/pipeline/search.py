@@ -1,0 +1,510 @@
+"""The inter-op search: how many pipeline stages, which schedule, how many microbatches.
+
+For each stage count ``p`` dividing the mesh's outer (slowest) axis, the intra-op plan is
+solved once on one stage's mesh (the outer axis divided by ``p``), its costs are read per
+layer (``layer_costs``), and for each schedule and microbatch size the layers are cut into
+stages (``stage_cut``) under the memory limit. The fastest configuration that fits wins;
+the plan keeps the runners-up with their estimates.
+
+Microbatches: the example inputs give the largest microbatch (the traced batch ``B``).
+Smaller microbatches ``b = B / k`` are costed by scaling what grows with the batch (compute,
+activations, resharding of activations) by ``b / B``; the runtime traces again at ``b``.
+``global_batch / b`` microbatches make a step. ``p = 1`` is plain gradient accumulation
+(schedule ``none``), so a pipeline is chosen only when it beats not having one.
+
+Step time of a pipeline (``cost_model.step.pipeline_time``)::
+
+    (sum_s T_s + (m v - 1) max_s T_s) / v + exposed gradient sync
+
+with ``T_s`` stage ``s``'s time per microbatch (compute, resharding, and the point-to-point
+of its boundary activations) and ``v`` the chunks per device of interleaved 1F1B. The
+bubble is ``(p - 1) / (v m)`` of the ideal time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from cost_model.collectives import MeshCost
+from cost_model.compute import peak_flops
+from cost_model.memory import microbatches_in_flight
+from cost_model.step import exposed_gradient_sync, mfu, pipeline_time
+from passes.pipeline.layer_costs import LayerCosts, Part, layer_costs
+from passes.pipeline.stage_cut import StageCut, cut_stages
+from passes.plan_build import build_plan
+from passes.solve import Solved, SolveRequest, solve_sharding
+from passes.trace import TracedModel
+from plans.errors import InfeasiblePlanError, UsageError
+from plans.mesh import MeshSpec
+from plans.plan import (
+    Alternative,
+    Estimate,
+    MemoryBreakdown,
+    Parallelism,
+    Plan,
+    Stage,
+    StageEstimate,
+)
+from plans.units import format_bytes
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass
+class PipelineRequest:
+    """What to search; ``None`` fields are searched, the others fixed (hints, options)."""
+
+    solve: SolveRequest  # on the whole mesh; its memory limit is per device
+    global_batch: int
+    traced_batch: int
+    model: str = ""
+    stages: int | None = None
+    schedule: str | None = None
+    microbatches: int | None = None
+    chunks: int | None = None
+
+
+@dataclass
+class Candidate:
+    stages: int
+    schedule: str
+    chunks: int
+    microbatch_size: int
+    microbatches: int
+    step_time_s: float
+    memory: float
+    stage_times: tuple[float, ...]
+    stage_states: tuple[float, ...]
+    stage_activations: tuple[float, ...]
+    stage_forward: tuple[float, ...]
+    first_layers: tuple[int, ...]
+    solved: Solved
+    stage_mesh: MeshSpec
+    bubble_s: float
+    sync_s: float
+
+    def describe(self) -> Parallelism:
+        return Parallelism(
+            pp=self.stages,
+            microbatches=self.microbatches,
+            schedule=self.schedule,
+            chunks=self.chunks,
+        )
+
+
+def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
+    """The fastest plan over stage counts, schedules and microbatches (module docstring)."""
+    _check(traced, request)
+    mesh = request.solve.mesh
+    layers = traced.layers.count if traced.layers else 0
+    limit = request.solve.memory_limit
+    candidates: list[Candidate] = []
+    smallest: tuple[float, str] | None = None
+    errors: list[InfeasiblePlanError] = []
+    for p in _stage_counts(mesh, layers, request):
+        stage_mesh = _stage_mesh(mesh, p)
+        solve = replace(
+            request.solve,
+            mesh=stage_mesh,
+            memory_limit=None if limit is None else limit * p,
+            microbatches=max(request.global_batch // request.traced_batch, 1),
+        )
+        try:
+            solved = solve_sharding(traced, solve)
+        except InfeasiblePlanError as error:
+            errors.append(error)
+            continue
+        costs = layer_costs(traced, solved)
+        mesh_cost = solved.cost.mesh_cost
+        for b in _microbatch_sizes(request, stage_mesh):
+            m = request.global_batch // b
+            scale = b / request.traced_batch
+            for schedule, chunks in _schedules(p, layers, request):
+                found = _evaluate(
+                    costs,
+                    solved,
+                    stage_mesh,
+                    mesh_cost,
+                    p,
+                    schedule,
+                    chunks,
+                    b,
+                    m,
+                    scale,
+                    limit,
+                    request,
+                )
+                if isinstance(found, Candidate):
+                    candidates.append(found)
+                elif found is not None and (smallest is None or found[0] < smallest[0]):
+                    smallest = found
+    if not candidates:
+        raise _nothing_fits(mesh, limit, smallest, errors)
+    candidates.sort(key=lambda c: (c.step_time_s, c.memory))  # ties: the leaner one
+    return _to_plan(traced, request, candidates[0], candidates[1:6])
+
+
+def _check(traced: TracedModel, request: PipelineRequest) -> None:
+    mesh = request.solve.mesh
+    layers = traced.layers.count if traced.layers else 0
+    if request.stages is not None:
+        if request.stages > max(layers, 1):
+            raise UsageError(
+                f"{request.stages} pipeline stages but the model has {layers} "
+                "layers; use at most one stage per layer"
+            )
+        if mesh.shape[0] % request.stages:
+            raise UsageError(
+                f"{request.stages} pipeline stages do not divide the mesh's "
+                f"outer axis {mesh.axis_names[0]} of {mesh.shape[0]} devices; "
+                f"pick a divisor of {mesh.shape[0]}"
+            )
+    if request.schedule is not None and request.schedule not in SCHEDULES:
+        raise UsageError(
+            f"unknown pipeline schedule {request.schedule!r}; one of {', '.join(SCHEDULES)}"
+        )
+    if request.microbatches is not None:
+        if request.global_batch % request.microbatches:
+            raise UsageError(
+                f"{request.microbatches} microbatches do not divide the global "
+                f"batch of {request.global_batch}"
+            )
+        size = request.global_batch // request.microbatches
+        if size > request.traced_batch or request.traced_batch % size:
+            raise UsageError(
+                f"{request.microbatches} microbatches of {size} from a global batch of "
+                f"{request.global_batch}: the example inputs' batch ({request.traced_batch}) "
+                "must be a multiple of the microbatch; pass example inputs of one microbatch"
+            )
+
+
+def _stage_counts(mesh: MeshSpec, layers: int, request: PipelineRequest) -> list[int]:
+    if request.stages is not None:
+        return [request.stages]
+    outer = mesh.shape[0]
+    return [p for p in range(1, outer + 1) if outer % p == 0 and (p == 1 or p <= layers)]
+
+
+def _stage_mesh(mesh: MeshSpec, stages: int) -> MeshSpec:
+    if stages == 1:
+        return mesh
+    shape = (mesh.shape[0] // stages, *mesh.shape[1:])
+    return mesh.model_copy(update={"shape": shape})
+
+
+def _microbatch_sizes(request: PipelineRequest, stage_mesh: MeshSpec) -> list[int]:
+    traced, total = request.traced_batch, request.global_batch
+    if request.microbatches is not None:
+        return [total // request.microbatches]
+    sizes = [traced] if total % traced == 0 else []
+    size = traced // 2
+    while size >= 1 and traced % size == 0:
+        # smaller than traced: keep it divisible by the stage's devices so any batch
+        # sharding of the traced plan still divides
+        if total % size == 0 and size % stage_mesh.size == 0:
+            sizes.append(size)
+        size //= 2
+    return sizes
+
+
+def _schedules(stages: int, layers: int, request: PipelineRequest) -> list[tuple[str, int]]:
+    if stages == 1:
+        return [("none", 1)]
+    names = [request.schedule] if request.schedule else list(SCHEDULES)
+    found = []
+    for name in names:
+        if name == "interleaved":
+            chunks = request.chunks or 2
+            if layers % (stages * chunks) == 0 and chunks > 1:
+                found.append((name, chunks))
+            elif request.schedule == "interleaved":
+                raise UsageError(
+                    f"interleaved 1F1B with {chunks} chunks per device needs the "
+                    f"{layers} layers to divide into {stages} x {chunks} equal "
+                    "chunks; choose other stages or chunks"
+                )
+        else:
+            found.append((name, 1))
+    return found
+
+
+def _evaluate(
+    costs: LayerCosts,
+    solved: Solved,
+    stage_mesh: MeshSpec,
+    mesh_cost: MeshCost,
+    p: int,
+    schedule: str,
+    chunks: int,
+    b: int,
+    m: int,
+    scale: float,
+    limit: float | None,
+    request: PipelineRequest,
+) -> Candidate | tuple[float, str] | None:
+    """A costed configuration, or (memory it needs, what) when it does not fit."""
+    layers = len(costs.layers)
+    if p == 1:
+        parts = [costs.pre, *costs.layers, costs.post]
+        time = sum(part.time_s for part in parts) * scale
+        states = sum(part.states for part in parts) - _shared_states(costs)
+        activations = sum(part.activations for part in parts) * scale
+        sync = sum(part.sync_s for part in parts)
+        backward = (sum(part.compute_s - part.forward_s for part in parts)) * scale
+        step = m * time + exposed_gradient_sync(sync, backward, max(layers, 1))
+        memory = states + activations
+        forward = sum(part.forward_s for part in parts) * scale
+        candidate = Candidate(
+            1,
+            "none",
+            1,
+            b,
+            m,
+            step,
+            memory,
+            (time,),
+            (states,),
+            (activations,),
+            (forward,),
+            (0,),
+            solved,
+            stage_mesh,
+            0.0,
+            sync,
+        )
+        return candidate if limit is None or memory <= limit else (memory, "no pipeline")
+    p2p = _p2p_times(costs, mesh_cost, p, scale)
+    if schedule == "interleaved":
+        cut = _interleaved_cut(costs, p, chunks, m, scale, p2p)
+    else:
+        cut = cut_stages(costs, p, m, schedule, scale, limit, p2p, request.solve.time_limit)
+        if cut is None:
+            # what it would need is asked only when nothing fits (_nothing_fits)
+            return (float("inf"), f"{p} stages, {schedule}") if limit is not None else None
+    if limit is not None and max(cut.stage_memory) > limit:
+        return (max(cut.stage_memory), f"{p} stages, {schedule}")
+    pipeline = pipeline_time(cut.stage_times, m, chunks)
+    syncs = _stage_values(costs, cut, p, chunks, lambda part: part.sync_s)
+    backwards = _stage_values(
+        costs, cut, p, chunks, lambda part: (part.compute_s - part.forward_s) * scale
+    )
+    exposed = max(
+        exposed_gradient_sync(s, b_ * m, max(layers // p, 1))
+        for s, b_ in zip(syncs, backwards, strict=True)
+    )
+    step = pipeline + exposed
+    forwards = _stage_values(costs, cut, p, chunks, lambda part: part.forward_s * scale)
+    return Candidate(
+        p,
+        schedule,
+        chunks,
+        b,
+        m,
+        step,
+        max(cut.stage_memory),
+        cut.stage_times,
+        cut.stage_states,
+        cut.stage_activations,
+        tuple(forwards),
+        cut.first_layers,
+        solved,
+        stage_mesh,
+        pipeline - m * max(cut.stage_times),
+        max(syncs),
+    )
+
+
+def _shared_states(costs: LayerCosts) -> float:
+    """States counted in both ``pre`` and ``post`` (a tied weight): once without a pipeline."""
+    return (
+        0.0
+        if not costs.pre.params & costs.post.params
+        else min(costs.pre.states, costs.post.states)
+    )
+
+
+def _p2p_times(costs: LayerCosts, mesh_cost: MeshCost, p: int, scale: float) -> list[float]:
+    """Point-to-point seconds per microbatch of each stage (send forward, receive the
+    gradient back), on the outer axis's link, for the widest boundary of the model."""
+    widest = max([part.boundary_bytes for part in (costs.pre, *costs.layers)] or [0.0])
+    one_way = mesh_cost.p2p(widest * scale, 0) if widest else 0.0
+    return [(0 if s == 0 else 2) * one_way + (0 if s == p - 1 else 2) * one_way for s in range(p)]
+
+
+def _interleaved_cut(
+    costs: LayerCosts, p: int, v: int, m: int, scale: float, p2p: list[float]
+) -> StageCut:
+    """Interleaved 1F1B: ``p v`` equal chunks of layers, chunk ``c`` on device stage ``c % p``
+    (Narayanan et al. 2021); the parts before and after the layers on the first and last."""
+    layers = len(costs.layers)
+    per_chunk = layers // (p * v)
+    times, memory, states, acts = [], [], [], []
+    for s in range(p):
+        mine = [c * per_chunk + i for c in range(s, p * v, p) for i in range(per_chunk)]
+        parts = [costs.layers[layer] for layer in mine]
+        if s == 0:
+            parts.append(costs.pre)
+        if s == p - 1:
+            parts.append(costs.post)
+        held = microbatches_in_flight("interleaved", p, s, m, v)
+        state = sum(part.states for part in parts)
+        act = held * scale * sum(part.activations for part in parts)
+        times.append(sum(part.time_s for part in parts) * scale + v * p2p[s])
+        states.append(state)
+        acts.append(act)
+        memory.append(state + act)
+    firsts = tuple(c * per_chunk for c in range(p * v))
+    return StageCut(firsts, tuple(times), tuple(memory), tuple(states), tuple(acts))
+
+
+def _stage_values(
+    costs: LayerCosts, cut: StageCut, p: int, chunks: int, value: object
+) -> list[float]:
+    layers = len(costs.layers)
+    totals = []
+    for s in range(p):
+        if chunks > 1:
+            per_chunk = layers // (p * chunks)
+            mine = [c * per_chunk + i for c in range(s, p * chunks, p) for i in range(per_chunk)]
+        else:
+            first, last = cut.layers_of(s, layers)
+            mine = list(range(first, last + 1))
+        parts: list[Part] = [costs.layers[i] for i in mine]
+        if s == 0:
+            parts.append(costs.pre)
+        if s == p - 1:
+            parts.append(costs.post)
+        totals.append(sum(value(part) for part in parts))  # type: ignore[operator]
+    return totals
+
+
+def _nothing_fits(
+    mesh: MeshSpec,
+    limit: float | None,
+    smallest: tuple[float, str] | None,
+    errors: list[InfeasiblePlanError],
+) -> InfeasiblePlanError:
+    if smallest is None:
+        return errors[0] if errors else InfeasiblePlanError("no plan fits")
+    need, where = smallest
+    return InfeasiblePlanError(
+        f"no plan fits in {format_bytes(limit or 0)} per device on {mesh.describe()}: the "
+        f"leanest configuration tried ({where}) needs {format_bytes(need)} per device. What "
+        "would help: activation recomputation, more pipeline stages or devices, smaller "
+        "microbatches (smaller example inputs), a lighter optimizer or precision"
+    )
+
+
+def _to_plan(
+    traced: TracedModel, request: PipelineRequest, best: Candidate, others: list[Candidate]
+) -> Plan:
+    mesh = request.solve.mesh
+    base = build_plan(
+        traced,
+        best.solved,
+        model=request.model,
+        global_batch=request.global_batch,
+        microbatch_size=best.microbatch_size,
+        memory_limit=request.solve.memory_limit,
+        mesh=best.stage_mesh,
+    )
+    p, v = best.stages, best.chunks
+    layers = traced.layers.count if traced.layers else 0
+    container = traced.layers.path if traced.layers else ""
+    stages = []
+    if p > 1:
+        per_stage = mesh.size // p
+        for chunk, first in enumerate(best.first_layers):
+            last = (
+                best.first_layers[chunk + 1] - 1
+                if chunk + 1 < len(best.first_layers)
+                else layers - 1
+            )
+            physical = chunk % p
+            modules = tuple(
+                f"{container}.{i}" if container else str(i) for i in range(first, last + 1)
+            )
+            if chunk == 0:
+                modules = ("(before the layers)", *modules)
+            if chunk == len(best.first_layers) - 1:
+                modules = (*modules, "(after the layers)")
+            ranks = tuple(range(physical * per_stage, (physical + 1) * per_stage))
+            stages.append(Stage(index=chunk, layers=(first, last), modules=modules, ranks=ranks))
+    estimate = _estimate(base, best, mesh)
+    parallelism = base.parallelism.model_copy(
+        update={"pp": p, "schedule": best.schedule, "microbatches": best.microbatches, "chunks": v}
+    )
+    alternatives = tuple(
+        Alternative(
+            parallelism=parallelism.model_copy(
+                update=c.describe().model_dump(include={"pp", "microbatches", "schedule", "chunks"})
+            ),
+            step_time_s=c.step_time_s,
+            memory_per_device_bytes=c.memory,
+            note=f"microbatch {c.microbatch_size}",
+        )
+        for c in others
+    )
+    return base.model_copy(
+        update={
+            "mesh": mesh,
+            "stage_mesh": best.stage_mesh if p > 1 else None,
+            "parallelism": parallelism,
+            "stages": tuple(stages),
+            "estimate": estimate,
+            "alternatives": alternatives,
+        }
+    )
+
+
+def _estimate(base: Plan, best: Candidate, mesh: MeshSpec) -> Estimate:
+    """The step estimate of the chosen configuration (the base plan's figures assume the
+    traced batch and no pipeline)."""
+    old = base.estimate
+    scale = best.microbatch_size / base.microbatch_size if base.microbatch_size else 1.0
+    flops = old.flops_per_step * scale
+    worst = max(
+        range(len(best.stage_times)), key=lambda s: best.stage_states[s] + best.stage_activations[s]
+    )
+    states = best.stage_states[worst]
+    known = old.memory_per_device_bytes
+    share = states / max(known.params + known.grads + known.optimizer, 1.0)
+    memory = MemoryBreakdown(
+        params=known.params * share,
+        grads=known.grads * share,
+        optimizer=known.optimizer * share,
+        activations=best.stage_activations[worst],
+        total=states + best.stage_activations[worst],
+    )
+    per_stage = (
+        tuple(
+            StageEstimate(
+                stage=s,
+                forward_s=best.stage_forward[s],
+                backward_s=max(best.stage_times[s] - best.stage_forward[s], 0.0),
+                memory_per_device_bytes=MemoryBreakdown(
+                    activations=best.stage_activations[s],
+                    total=best.stage_states[s] + best.stage_activations[s],
+                ),
+            )
+            for s in range(len(best.stage_times))
+        )
+        if best.stages > 1
+        else ()
+    )
+    peak = peak_flops(best.solved.cost.mesh_cost.preset, best.solved.cost.compute_dtype) or 1.0
+    compute = (
+        best.microbatches * max(best.stage_times) if best.stages > 1 else old.compute_s * scale
+    )
+    return old.model_copy(
+        update={
+            "step_time_s": best.step_time_s,
+            "flops_per_step": flops,
+            "mfu": mfu(flops, best.step_time_s, peak, mesh.size),
+            "memory_per_device_bytes": memory,
+            "bubble_s": best.bubble_s,
+            "compute_s": compute,
+            "exposed_comm_s": max(best.step_time_s - compute - best.bubble_s, 0.0),
+            "stages": per_stage,
+        }
+    )
