@@ -1,0 +1,86 @@
+"""The inter-op search: bubbles as published, microbatches and stages chosen for a reason."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from cost_model.step import bubble_fraction
+from examples.models import build, mlp
+from plans import UsageError
+
+
+def four_layers(batch: int = 64):
+    return mlp(d_in=256, d_hidden=1024, d_out=256, n_layers=4, batch_size=batch, device="meta")
+
+
+@pytest.mark.parametrize(("schedule", "chunks"), [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
+def test_the_bubble_of_the_estimate_is_the_published_fraction(schedule, chunks):
+    """Narayanan et al. 2021: (p - 1) / m of the ideal time, (p - 1) / (v m) interleaved.
+    Four identical layers on two stages balance exactly (an MLP: nothing before or after)."""
+    model, inputs = four_layers()
+    plan = autopar.plan(model, autopar.Mesh((2,), device="h100-sxm"), inputs,
+                        global_batch=256, stages=2, schedule=schedule, microbatches=8,
+                        chunks=chunks)
+    p, m, v = plan.parallelism.pp, plan.parallelism.microbatches, plan.parallelism.chunks
+    assert v == chunks
+    times = [s.forward_s + s.backward_s for s in plan.estimate.stages]
+    # exactly: the pipeline's time past m of its slowest stage, (sum T_s - max T_s) / v ...
+    assert plan.estimate.bubble_s == pytest.approx((sum(times) - max(times)) / v, rel=1e-9)
+    # ... which for equal stages is the published fraction of the ideal m T. These stages
+    # differ a little (the first layer's input needs no gradient), by at most `spread`:
+    mean = sum(times) / p
+    spread = (max(times) - min(times)) / mean
+    assert spread < 0.05
+    assert plan.estimate.bubble_s / (m * mean) == pytest.approx(
+        bubble_fraction(p, m, v), rel=spread)
+
+
+def test_more_microbatches_are_chosen_when_they_lower_the_step_time():
+    model, inputs = four_layers()
+    plan = autopar.plan(model, autopar.Mesh((2,), device="h100-sxm"), inputs,
+                        global_batch=256, stages=2, schedule="1f1b")
+    fewest = [a for a in plan.alternatives if a.parallelism.microbatches == 4]
+    assert plan.parallelism.microbatches > 4  # 4 is the fewest: the example's batch of 64
+    assert fewest and fewest[0].step_time_s > plan.estimate.step_time_s
+    # and not endlessly: one sample per microbatch pays more per-microbatch overhead
+    assert plan.parallelism.microbatches < 256
+
+
+def test_no_pipeline_for_a_model_that_fits_on_one_node():
+    model, inputs = build("gpt3-1.3b", device="meta", batch_size=8)
+    plan = autopar.plan(model, autopar.Mesh((8,), device="h100-sxm"), inputs, global_batch=64)
+    assert plan.parallelism.pp == 1
+    assert any(a.parallelism.pp > 1 for a in plan.alternatives)  # it was considered
+
+
+def test_pipeline_across_nodes_when_sharding_across_them_costs_more():
+    """13B on 16 nodes: FSDP or tensor parallelism across nodes would put weights or every
+    layer's activations on InfiniBand; stages only send activations at the cuts."""
+    model, inputs = build("gpt3-13b", device="meta", batch_size=8)
+    plan = autopar.plan(model, autopar.Mesh.cluster(16, 8, device="h100-sxm"), inputs,
+                        global_batch=512, precision="bf16_mixed")
+    assert plan.parallelism.pp > 1
+    assert plan.stage_mesh is not None and plan.stage_mesh.shape[1] == 8
+    assert len(plan.stages) == plan.parallelism.pp * plan.parallelism.chunks
+    ranks = [r for stage in plan.stages[: plan.parallelism.pp] for r in stage.ranks]
+    assert sorted(ranks) == list(range(128))
+    assert all(a.step_time_s >= plan.estimate.step_time_s for a in plan.alternatives)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"stages": 8}, "the model has 4 layers"),
+        ({"stages": 3}, "do not divide the mesh's outer axis"),
+        ({"microbatches": 3}, "do not divide the global batch"),
+        ({"microbatches": 2}, "must be a multiple of the microbatch"),
+        ({"schedule": "zigzag"}, "schedule"),
+        ({"stages": 2, "schedule": "interleaved", "chunks": 3}, "equal chunks"),
+    ],
+)
+def test_bad_pipeline_options_are_refused_with_a_reason(options, message):
+    model, inputs = four_layers(batch=16)
+    with pytest.raises(UsageError, match=message):
+        autopar.plan(model, autopar.Mesh((4,), device="h100-sxm"), inputs, global_batch=64,
+                     **options)
