@@ -114,6 +114,10 @@ class CostModel:
         )
         return fwd, bwd
 
+    def tensor_bytes(self, info: TensorInfo, layout: Layout) -> float:
+        """Bytes per device of a tensor in ``layout`` (activations in the compute dtype)."""
+        return self._bytes(info.dtype, info.nbytes) / layout.shard_factor(self.mesh_shape)
+
     def activation_bytes(self, note: NodeAnnotation, strategy: Strategy) -> float:
         """Saved-for-backward bytes per device of an op under ``strategy``."""
         if note.saved_bytes == 0 or not strategy.outputs:

@@ -31,7 +31,8 @@ class PlanLayouts:
     def __init__(self, traced: TracedModel, plan: Plan, *, local_inputs: bool = False) -> None:
         self.strategies: dict[str, Strategy] = {}
         self.layouts: dict[tuple[str, int], Layout] = {}
-        mesh_shape = plan.mesh.shape
+        # a pipeline plan's layouts are on one stage's mesh
+        mesh_shape = (plan.stage_mesh or plan.mesh).shape
         choices, _ = graph_choices(traced.graph, mesh_shape)
         for info in traced.params.values():
             if info.name not in plan.params:

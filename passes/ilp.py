@@ -12,6 +12,8 @@ Variables (``passes.decisions`` made them few):
   ``sum_q e[p, q] = sum_{k in p} s[d, k]`` and ``sum_p e[p, q] = sum_{l in q} s[d', l]``
   make ``e`` the joint choice; their LP relaxation is tight on tree-shaped graphs, so
   branch and bound has little to do.
+- An edge's pair may also hold memory: a consumer that keeps its input for backward keeps
+  the resharded copy when the input arrives resharded; that is a term of the memory row.
 - ``t >= 0`` continuous: the overlappable communication (gradient sync, parameter
   gathers) that the compute cannot hide, ``t >= sum(s . overlappable) - sum(s . hidden_by)``.
 
@@ -59,6 +61,8 @@ class EdgeTerm:
     right_class: tuple[int, ...]
     cost: Matrix  # (p, q) -> seconds; missing pairs cost nothing
     overlappable: bool = False
+    # (p, q) -> bytes per device the pair adds (a resharded copy a consumer saves)
+    memory: Matrix = field(default_factory=dict)
 
 
 @dataclass
@@ -114,9 +118,11 @@ def solve_ilp(problem: IlpProblem, time_limit: float = 60.0, backend: str = "hig
 
     n_edge = 0
     overlapped_edges: list[object] = []
+    edge_memory: list[object] = []
     for edge in problem.edges:
         terms = overlapped_edges if edge.overlappable else objective
-        n_edge += _add_edge(model, edge, select[edge.left], select[edge.right], terms, n_edge)
+        n_edge += _add_edge(model, edge, select[edge.left], select[edge.right], terms,
+                            edge_memory, n_edge)
     exposed = model.add_variable("exposed_comm", lowBound=0)
     overlap_terms = [
         coefficient * value
@@ -143,6 +149,7 @@ def solve_ilp(problem: IlpProblem, time_limit: float = 60.0, backend: str = "hig
                 for k, value in enumerate(row)
                 if problem.memory[name][k]
             )
+            + pulp.lpSum(term / scale for term in edge_memory)
             <= problem.memory_limit / scale
         )
     model += pulp.lpSum(objective)
@@ -176,10 +183,12 @@ def _add_edge(
     left: list[pulp.LpVariable | float],
     right: list[pulp.LpVariable | float],
     terms: list[object],
+    memory: list[object],
     offset: int,
 ) -> int:
-    """Add one edge's class variables and marginal constraints; returns variables added."""
-    if not any(edge.cost.values()):
+    """Add one edge's class variables and marginal constraints, its cost terms to ``terms``
+    and its memory terms to ``memory``; returns the variables added."""
+    if not any(edge.cost.values()) and not any(edge.memory.values()):
         return 0
     left_sum: dict[int, list[pulp.LpVariable | float]] = {}
     right_sum: dict[int, list[pulp.LpVariable | float]] = {}
@@ -189,32 +198,36 @@ def _add_edge(
         right_sum.setdefault(q, []).append(right[m])
     constant_left = all(isinstance(v, float) for v in left)
     constant_right = all(isinstance(v, float) for v in right)
+    added = 0
+    pairs: dict[tuple[int, int], object] = {}
     if constant_left or constant_right:
-        # one side is fixed: the cost is linear in the other side's choice
-        for (p, q), cost in edge.cost.items():
-            if cost:
-                weight = pulp.lpSum(left_sum[p]) if not constant_left else sum(left_sum[p])
-                other = pulp.lpSum(right_sum[q]) if not constant_right else sum(right_sum[q])
+        # one side is fixed: the pair is linear in the other side's choice
+        for p in left_sum:
+            for q in right_sum:
+                left_value = sum(left_sum[p]) if constant_left else pulp.lpSum(left_sum[p])
+                right_value = sum(right_sum[q]) if constant_right else pulp.lpSum(right_sum[q])
                 if constant_left and constant_right:
-                    terms.append(cost * weight * other)
+                    pairs[(p, q)] = left_value * right_value
                 elif constant_left:
-                    if weight:
-                        terms.append(cost * weight * other)
-                elif other:
-                    terms.append(cost * other * weight)
-        return 0
-    pairs: dict[tuple[int, int], pulp.LpVariable] = {}
-    for p in left_sum:
-        for q in right_sum:
-            pairs[(p, q)] = model.add_variable(f"e_{offset + len(pairs)}", lowBound=0)
-    for p, members in left_sum.items():
-        model += pulp.lpSum(pairs[(p, q)] for q in right_sum) == pulp.lpSum(members)
-    for q, members in right_sum.items():
-        model += pulp.lpSum(pairs[(p, q)] for p in left_sum) == pulp.lpSum(members)
-    for (p, q), cost in edge.cost.items():
+                    pairs[(p, q)] = left_value * right_value if left_value else 0.0
+                else:
+                    pairs[(p, q)] = right_value * left_value if right_value else 0.0
+    else:
+        for p in left_sum:
+            for q in right_sum:
+                pairs[(p, q)] = model.add_variable(f"e_{offset + added}", lowBound=0)
+                added += 1
+        for p, members in left_sum.items():
+            model += pulp.lpSum(pairs[(p, q)] for q in right_sum) == pulp.lpSum(members)
+        for q, members in right_sum.items():
+            model += pulp.lpSum(pairs[(p, q)] for p in left_sum) == pulp.lpSum(members)
+    for pq, cost in edge.cost.items():
         if cost:
-            terms.append(cost * pairs[(p, q)])
-    return len(pairs)
+            terms.append(cost * pairs[pq])
+    for pq, extra in edge.memory.items():
+        if extra:
+            memory.append(extra * pairs[pq])
+    return added
 
 
 def _run(model: pulp.LpProblem, time_limit: float, backend: str) -> tuple[str, str]:

@@ -67,6 +67,9 @@ class LoweredGraph:
     collectives: dict[str, tuple[str, int]] = field(default_factory=dict)  # module -> kind, axis
     counts: dict[str, int] = field(default_factory=dict)  # collective kind -> calls in forward
     outputs: list[Layout | None] = field(default_factory=list)  # per flat output; None: no tensor
+    # lowered node -> the traced node whose value it computes (ops, getitems, user inputs);
+    # reshards and local steps have none (``passes.lower_stages`` places them by consumer)
+    sources: dict[torch.fx.Node, str] = field(default_factory=dict)
 
 
 def lower_spmd(
@@ -137,6 +140,7 @@ class _Lowering:
                 value = self.out.graph.call_function(
                     operator.getitem, (self.local[parent.name], index)
                 )
+                self.out.sources[value] = node.name
                 self._define(node.name, value, self.layout[(parent.name, index)])
             elif not note.outputs:
                 continue  # asserts on metadata: nothing to run
@@ -168,7 +172,9 @@ class _Lowering:
             self.out.constants[target] = target
             self._define(node.name, graph.get_attr(target), self._replicated())
         else:
-            self._define(node.name, graph.placeholder(node.name), self.layout_of(node.name, 0))
+            value = graph.placeholder(node.name)
+            self.out.sources[value] = node.name
+            self._define(node.name, value, self.layout_of(node.name, 0))
 
     def _replicated(self) -> Layout:
         return Layout.replicated(self.mesh.ndim)
@@ -204,6 +210,7 @@ class _Lowering:
         else:
             value = self.out.graph.call_function(fn, local_args, local_kwargs)
         value.name = node.name
+        self.out.sources[value] = node.name
         for index, layout in enumerate(strategy.outputs):
             self.layout[(node.name, index)] = layout
         self.local[node.name] = value

@@ -231,7 +231,7 @@ def _estimate(
     params_b = sum(parts.model_states[d][k][0] for d, k in choice.items())
     grads_b = sum(parts.model_states[d][k][1] for d, k in choice.items())
     optim_b = sum(parts.model_states[d][k][2] for d, k in choice.items())
-    acts = sum(parts.activations[d][k] for d, k in choice.items())
+    acts = sum(parts.activations[d][k] for d, k in choice.items()) + parts.edge_memory(choice)
     notes = [n.meta[META_KEY] for n in traced.graph.nodes]
     flops = float(sum(a.fwd_flops + a.bwd_flops for a in notes)) * microbatches
     mesh = solved.cost.mesh_cost.mesh

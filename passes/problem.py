@@ -35,6 +35,16 @@ class ProblemParts:
     # each edge with its forward and backward matrices (over class pairs)
     edge_terms: list[tuple[EdgeTerm, Matrix, Matrix]] = field(default_factory=list)
     self_edge: dict[str, list[float]] = field(default_factory=dict)
+    self_memory: dict[str, list[float]] = field(default_factory=dict)
+
+    def edge_memory(self, choice: dict[str, int]) -> float:
+        """Bytes per device of the resharded copies the chosen strategies keep."""
+        total = sum(self.self_memory[d][k] for d, k in choice.items())
+        for term, _, _ in self.edge_terms:
+            p = term.left_class[choice[term.left]]
+            q = term.right_class[choice[term.right]]
+            total += term.memory.get((p, q), 0.0)
+        return total
 
     def edge_time(self, choice: dict[str, int]) -> tuple[float, float]:
         """(inline, overlappable) resharding seconds of the chosen strategies."""
@@ -74,6 +84,7 @@ def build_problem(
         parts.model_states[name] = [(0.0, 0.0, 0.0)] * count
         parts.sync[name] = [0.0] * count
         parts.self_edge[name] = [0.0] * count
+        parts.self_memory[name] = [0.0] * count
     _node_costs(decisions, cost, representatives, parts)
     _edge_costs(decisions, cost, representatives, parts)
     problem = parts.problem
@@ -86,8 +97,9 @@ def build_problem(
         ]
         problem.overlappable[name] = list(parts.sync[name])
         problem.memory[name] = [
-            a + sum(m)
-            for a, m in zip(parts.activations[name], parts.model_states[name], strict=True)
+            a + sum(m) + e
+            for a, m, e in zip(parts.activations[name], parts.model_states[name],
+                               parts.self_memory[name], strict=True)
         ]
     problem.edges = [
         replace(term, cost={pq: microbatches * c for pq, c in term.cost.items()})
@@ -155,6 +167,7 @@ def _edge_costs(
             )
             counted[key] += 1
             example.setdefault(key, (source.producer, source.index, node_name, i))
+    keeper = _first_keepers(decisions, example)
     for key, times in counted.items():
         producer, index, consumer, i = example[key]
         left = decisions.bindings[producer].decision
@@ -174,15 +187,23 @@ def _edge_costs(
         right_classes, right_class = _classes(dst_layouts)
         fwd_m: Matrix = {}
         bwd_m: Matrix = {}
+        memory_m: Matrix = {}
+        keeps = keeper.get((producer, index)) == (consumer, i)
         for p, src in enumerate(left_classes):
             for q, dst in enumerate(right_classes):
                 fwd, bwd = cost.edge_time(info, src, dst, note.requires_grad)
                 if fwd or bwd:
                     fwd_m[(p, q)] = times * fwd
                     bwd_m[(p, q)] = times * bwd
+                if keeps and fwd:
+                    # a collective made a new tensor, which backward keeps instead of the
+                    # tensor itself (counted with its producer, in the producer's layout)
+                    memory_m[(p, q)] = times * (cost.tensor_bytes(info, dst)
+                                                - cost.tensor_bytes(info, src))
         if left == right:
             for k, (p, q) in enumerate(zip(left_class, right_class, strict=True)):
                 parts.self_edge[left][k] += fwd_m.get((p, q), 0.0) + bwd_m.get((p, q), 0.0)
+                parts.self_memory[left][k] += memory_m.get((p, q), 0.0)
             continue
         overlappable = decisions.choices[producer].kind == "param"
         parts.edge_terms.append(
@@ -194,11 +215,30 @@ def _edge_costs(
                     right_class,
                     {pq: fwd_m[pq] + bwd_m[pq] for pq in fwd_m},
                     overlappable,
+                    memory_m,
                 ),
                 fwd_m,
                 bwd_m,
             )
         )
+
+
+def _first_keepers(
+    decisions: Decisions, example: dict[tuple[str, int, str, int], tuple[str, int, str, int]]
+) -> dict[tuple[str, int], tuple[str, int]]:
+    """For each activation, the first consumer (graph order) whose backward keeps it.
+
+    Consumers that need it in the same layout share one reshard (the lowering makes one per
+    tensor and layout), so its copy is counted once, with the first: consumers of one
+    tensor (q, k and v projections of the same input) almost always agree on the layout."""
+    keepers: dict[tuple[str, int], tuple[str, int]] = {}
+    for producer, index, consumer, i in example.values():
+        choices = decisions.choices[producer]
+        note = decisions.choices[consumer].note
+        if choices.kind == "param" or note is None or i not in note.saved_inputs:
+            continue
+        keepers.setdefault((producer, index), (consumer, i))
+    return keepers
 
 
 def _classes(layouts: list[Layout]) -> tuple[list[Layout], tuple[int, ...]]:

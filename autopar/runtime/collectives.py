@@ -135,8 +135,14 @@ class Collective(nn.Module):
 
 
 class AllGather(Collective):
+    # set by the runtime when parameters are gathered (FSDP): see runtime.regather
+    gathers: Any = None
+
     def forward(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return _AllGather.apply(x, dim, self.group)
+        out = _AllGather.apply(x, dim, self.group)
+        if self.gathers is not None:
+            self.gathers.record(out, x, dim, self.group)
+        return out
 
 
 class ReduceScatter(Collective):

@@ -86,6 +86,7 @@ def layer_costs(traced: TracedModel, solved: Solved) -> LayerCosts:
             part.states += param.memory
             part.sync_s += param.sync_s
     decisions = solved.decisions
+    kept: set[tuple[str, int]] = set()  # activations whose resharded copy is counted
     for node in traced.graph.nodes:
         if node.name not in decisions.bindings or node.op != "call_function":
             continue
@@ -114,8 +115,15 @@ def layer_costs(traced: TracedModel, solved: Solved) -> LayerCosts:
             )
             if producer.kind == "param":
                 part.gather_s += f + b
-            else:
-                part.comm_s += f + b
+                continue
+            part.comm_s += f + b
+            if f and i in note.saved_inputs and (source.producer, source.index) not in kept:
+                # backward keeps the resharded copy instead of the tensor itself (once
+                # per tensor: the lowering makes one reshard per tensor and layout)
+                kept.add((source.producer, source.index))
+                info = producer.note.outputs[source.index]
+                part.activations += cost.tensor_bytes(info, strategy.inputs[i]) - \
+                    cost.tensor_bytes(info, src)
     for index, part in enumerate(parts):
         part.boundary_bytes = _boundary_bytes(
             traced, solved, part_of, part, parts[index + 1] if index + 1 < count else post
