@@ -202,10 +202,10 @@ def _add_edge(
     pairs: dict[tuple[int, int], object] = {}
     if constant_left or constant_right:
         # one side is fixed: the pair is linear in the other side's choice
-        for p in left_sum:
-            for q in right_sum:
-                left_value = sum(left_sum[p]) if constant_left else pulp.lpSum(left_sum[p])
-                right_value = sum(right_sum[q]) if constant_right else pulp.lpSum(right_sum[q])
+        for p, lefts in left_sum.items():
+            for q, rights in right_sum.items():
+                left_value = sum(lefts) if constant_left else pulp.lpSum(lefts)
+                right_value = sum(rights) if constant_right else pulp.lpSum(rights)
                 if constant_left and constant_right:
                     pairs[(p, q)] = left_value * right_value
                 elif constant_left:
