@@ -66,6 +66,9 @@ class CostModel:
     optimizer: str = "adamw"
     precision: str = "fp32"
     zero: int = 0  # ZeRO stage applied to replicated axes of parameters: 0, 1 or 2
+    # activations of a microbatch of (batch_scale x) the traced batch: what memory needs
+    # when the search runs smaller microbatches than were traced (passes.pipeline.search)
+    batch_scale: float = 1.0
     _edge_cache: dict[object, tuple[float, float]] = field(
         default_factory=dict, repr=False, compare=False
     )
@@ -116,7 +119,11 @@ class CostModel:
 
     def tensor_bytes(self, info: TensorInfo, layout: Layout) -> float:
         """Bytes per device of a tensor in ``layout`` (activations in the compute dtype)."""
-        return self._bytes(info.dtype, info.nbytes) / layout.shard_factor(self.mesh_shape)
+        return (
+            self.batch_scale
+            * self._bytes(info.dtype, info.nbytes)
+            / layout.shard_factor(self.mesh_shape)
+        )
 
     def activation_bytes(self, note: NodeAnnotation, strategy: Strategy) -> float:
         """Saved-for-backward bytes per device of an op under ``strategy``."""
@@ -124,7 +131,7 @@ class CostModel:
             return 0.0
         factor = strategy.outputs[0].shard_factor(self.mesh_shape)
         dtype = note.outputs[0].dtype if note.outputs else "float32"
-        return self._bytes(dtype, note.saved_bytes) / factor
+        return self.batch_scale * self._bytes(dtype, note.saved_bytes) / factor
 
     def edge_time(
         self, info: TensorInfo, src: Layout, dst: Layout, requires_grad: bool

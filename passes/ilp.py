@@ -49,6 +49,7 @@ import pulp
 from plans.plan import SolverReport
 
 Matrix = dict[tuple[int, int], float]
+GIB = 2.0**30  # memory rows are written in GiB: coefficients of one magnitude with times
 
 
 @dataclass
@@ -66,6 +67,33 @@ class EdgeTerm:
 
 
 @dataclass
+class RecomputeTerm:
+    """A recompute candidate repeated in ``copies`` identical layers (``passes.recompute``).
+
+    Per copy ``l``: ``r[l]`` binary; the memory it frees, ``y[l] = S(s) r[l]``, and the
+    forward it adds, ``w[l] = F(s) r[l]``, with ``S`` and ``F`` linear in the choices
+    (``saving``, ``forward``: decision -> per-choice coefficients), linearised as::
+
+        0 <= y[l] <= S(s),  y[l] <= S_max r[l]          (memory row: - sum_l y[l])
+        w[l] >= F(s) - F_max (1 - r[l]),  w[l] >= 0     (objective: + weight sum_l w[l])
+        r[l] >= r[l+1] (full), r[l] <= r[l+1] (selective) (which copies: full the first,
+                                                          selective the last ones)
+        r_full[l] + r_this[l] <= 1                       (inside a fully recomputed layer)
+    """
+
+    name: str
+    kind: str
+    copies: int
+    saving: dict[str, list[float]]
+    forward: dict[str, list[float]]
+    saving_bound: float
+    forward_bound: float
+    weight: float = 1.0  # microbatches per step: the forward runs again for each
+    excludes: str | None = None  # the full region of the same layers
+    forced: bool | None = None  # True: recompute every copy; False: none
+
+
+@dataclass
 class IlpProblem:
     """Coefficients per decision choice and per edge, as ``passes.solve`` builds them."""
 
@@ -77,6 +105,7 @@ class IlpProblem:
     edges: list[EdgeTerm] = field(default_factory=list)
     allowed: dict[str, set[int]] = field(default_factory=dict)
     memory_limit: float | None = None
+    recompute: list[RecomputeTerm] = field(default_factory=list)
 
 
 @dataclass
@@ -85,6 +114,7 @@ class IlpSolution:
     report: SolverReport
     feasible: bool
     timed_out: bool = False  # the time limit came before any feasible choice
+    recompute: dict[str, int] = field(default_factory=dict)  # region -> copies recomputed
 
 
 def solve_ilp(problem: IlpProblem, time_limit: float = 60.0, backend: str = "highs") -> IlpSolution:
@@ -121,8 +151,9 @@ def solve_ilp(problem: IlpProblem, time_limit: float = 60.0, backend: str = "hig
     edge_memory: list[object] = []
     for edge in problem.edges:
         terms = overlapped_edges if edge.overlappable else objective
-        n_edge += _add_edge(model, edge, select[edge.left], select[edge.right], terms,
-                            edge_memory, n_edge)
+        n_edge += _add_edge(
+            model, edge, select[edge.left], select[edge.right], terms, edge_memory, n_edge
+        )
     exposed = model.add_variable("exposed_comm", lowBound=0)
     overlap_terms = [
         coefficient * value
@@ -139,6 +170,8 @@ def solve_ilp(problem: IlpProblem, time_limit: float = 60.0, backend: str = "hig
     model += exposed >= pulp.lpSum(overlap_terms + overlapped_edges) - pulp.lpSum(hiding_terms)
     objective.append(exposed)
 
+    saved_terms, recompute_vars = _add_recompute(model, problem, select, objective)
+
     if problem.memory_limit is not None:
         scale = 2.0**30  # GiB keeps the coefficients of one magnitude with the times
         model += (
@@ -150,6 +183,7 @@ def solve_ilp(problem: IlpProblem, time_limit: float = 60.0, backend: str = "hig
                 if problem.memory[name][k]
             )
             + pulp.lpSum(term / scale for term in edge_memory)
+            - pulp.lpSum(saved_terms)  # already in GiB
             <= problem.memory_limit / scale
         )
     model += pulp.lpSum(objective)
@@ -163,6 +197,14 @@ def solve_ilp(problem: IlpProblem, time_limit: float = 60.0, backend: str = "hig
         for name, row in select.items():
             values = [v if isinstance(v, float) else (v.value() or 0.0) for v in row]
             choice[name] = max(range(len(values)), key=lambda k: values[k])
+    recompute = (
+        {
+            name: sum(1 for r in flags if (r.value() or 0.0) > 0.5)
+            for name, flags in recompute_vars.items()
+        }
+        if feasible
+        else {}
+    )
     objective_value = pulp.value(model.objective) if feasible else None
     report = SolverReport(
         backend=used,
@@ -174,7 +216,59 @@ def solve_ilp(problem: IlpProblem, time_limit: float = 60.0, backend: str = "hig
         objective=float(objective_value) if objective_value is not None else None,
         gap=_gap(model, used),
     )
-    return IlpSolution(choice=choice, report=report, feasible=feasible, timed_out=timed_out)
+    return IlpSolution(
+        choice=choice, report=report, feasible=feasible, timed_out=timed_out, recompute=recompute
+    )
+
+
+def _add_recompute(
+    model: pulp.LpProblem,
+    problem: IlpProblem,
+    select: dict[str, list[pulp.LpVariable | float]],
+    objective: list[object],
+) -> tuple[list[object], dict[str, list[pulp.LpVariable]]]:
+    """Recompute variables (see ``RecomputeTerm``); returns the memory they free and the
+    binaries per region."""
+    freed: list[object] = []
+    flags: dict[str, list[pulp.LpVariable]] = {}
+    if problem.memory_limit is None:
+        return freed, flags  # recomputing only costs time when memory does not bind
+    for t, term in enumerate(problem.recompute):
+        # y in GiB, like the memory row: a coefficient of 1/2^30 on it would fall below
+        # HiGHS's smallest matrix value (1e-9) and be dropped
+        saving = pulp.lpSum(
+            c / GIB * v
+            for d, row in term.saving.items()
+            for c, v in zip(row, select[d], strict=True)
+            if c
+        )
+        forward = pulp.lpSum(
+            c * v
+            for d, row in term.forward.items()
+            for c, v in zip(row, select[d], strict=True)
+            if c
+        )
+        flags[term.name] = []
+        for copy in range(term.copies):
+            r = model.add_variable(f"r_{t}_{copy}", cat=pulp.LpBinary)
+            y = model.add_variable(f"y_{t}_{copy}", lowBound=0)
+            w = model.add_variable(f"w_{t}_{copy}", lowBound=0)
+            model += y <= saving
+            model += y <= term.saving_bound / GIB * r
+            model += w >= forward - term.forward_bound * (1 - r)
+            if term.forced is not None:
+                model += r == (1 if term.forced else 0)
+            if copy:  # symmetric copies: full recompute takes the first, selective the last
+                earlier = flags[term.name][-1]
+                model += (earlier >= r) if term.kind == "full" else (earlier <= r)
+            freed.append(y)
+            objective.append(term.weight * w)
+            flags[term.name].append(r)
+    for term in problem.recompute:
+        if term.excludes and term.excludes in flags:
+            for mine, full in zip(flags[term.name], flags[term.excludes], strict=True):
+                model += mine + full <= 1
+    return freed, flags
 
 
 def _add_edge(

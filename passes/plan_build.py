@@ -19,7 +19,15 @@ from passes.strategies.graph import NodeChoices
 from passes.trace import TracedModel
 from plans.mesh import MeshSpec
 from plans.placement import Layout, Replicate, Shard
-from plans.plan import Estimate, MemoryBreakdown, OpPlan, Parallelism, ParamPlan, Plan
+from plans.plan import (
+    Estimate,
+    MemoryBreakdown,
+    OpPlan,
+    Parallelism,
+    ParamPlan,
+    Plan,
+    RecomputeRegion,
+)
 
 ADDED_FIRST = {"aten.addmm.default", "aten.baddbmm.default"}
 MATMULS = {
@@ -60,6 +68,7 @@ def build_plan(
     plan = Plan(
         model=model,
         mesh=solved.cost.mesh_cost.mesh,
+        recompute=_recompute_regions(traced, solved, microbatches),
         global_batch=global_batch,
         microbatch_size=microbatch_size,
         optimizer=solved.cost.optimizer,
@@ -75,6 +84,37 @@ def build_plan(
     if mesh is None or mesh == plan.mesh:
         return plan
     return _on_mesh(plan, mesh, solved.axis_groups)
+
+
+def _recompute_regions(
+    traced: TracedModel, solved: Solved, microbatches: int
+) -> tuple[RecomputeRegion, ...]:
+    """The regions the solver chose to recompute, with the layers they apply in: full
+    recompute the first layers of a class, selective the last (``ilp.RecomputeTerm``)."""
+    found = []
+    module_of = {node.name: node.meta[META_KEY].module for node in traced.graph.nodes}
+    for region in solved.regions:
+        copies = solved.recompute.get(region.name, 0)
+        if not copies:
+            continue
+        layers = sorted(region.copies)
+        chosen = layers[:copies] if region.kind == "full" else layers[-copies:]
+        nodes = tuple(n for layer in chosen for n in region.copies[layer])
+        modules = tuple(sorted({module_of[n] for n in nodes}))
+        saving = sum(region.saving[d][solved.choice[d]] for d in region.saving)
+        forward = sum(region.forward[d][solved.choice[d]] for d in region.forward)
+        found.append(
+            RecomputeRegion(
+                name=region.name,
+                kind=region.kind,
+                modules=modules,
+                nodes=nodes,
+                layers=tuple(chosen),
+                saved_bytes=copies * saving,
+                recompute_s=copies * forward * microbatches,
+            )
+        )
+    return tuple(found)
 
 
 def _on_mesh(plan: Plan, mesh: MeshSpec, groups: tuple[tuple[int, ...], ...]) -> Plan:

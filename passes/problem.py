@@ -98,8 +98,12 @@ def build_problem(
         problem.overlappable[name] = list(parts.sync[name])
         problem.memory[name] = [
             a + sum(m) + e
-            for a, m, e in zip(parts.activations[name], parts.model_states[name],
-                               parts.self_memory[name], strict=True)
+            for a, m, e in zip(
+                parts.activations[name],
+                parts.model_states[name],
+                parts.self_memory[name],
+                strict=True,
+            )
         ]
     problem.edges = [
         replace(term, cost={pq: microbatches * c for pq, c in term.cost.items()})
@@ -198,8 +202,9 @@ def _edge_costs(
                 if keeps and fwd:
                     # a collective made a new tensor, which backward keeps instead of the
                     # tensor itself (counted with its producer, in the producer's layout)
-                    memory_m[(p, q)] = times * (cost.tensor_bytes(info, dst)
-                                                - cost.tensor_bytes(info, src))
+                    memory_m[(p, q)] = times * (
+                        cost.tensor_bytes(info, dst) - cost.tensor_bytes(info, src)
+                    )
         if left == right:
             for k, (p, q) in enumerate(zip(left_class, right_class, strict=True)):
                 parts.self_edge[left][k] += fwd_m.get((p, q), 0.0) + bwd_m.get((p, q), 0.0)

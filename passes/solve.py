@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from cost_model.collectives import MeshCost
 from cost_model.hardware import load_preset
@@ -28,6 +28,7 @@ from passes.decisions import Decisions, group_decisions
 from passes.ilp import IlpProblem, solve_ilp
 from passes.layer_sharing import layer_representatives
 from passes.problem import ProblemParts, build_problem, unmerged_size
+from passes.recompute import Region, find_regions, recompute_terms
 from passes.strategies.graph import NodeChoices, graph_choices
 from passes.strategies.types import Strategy
 from passes.trace import TracedModel
@@ -59,6 +60,7 @@ class SolveRequest:
     constraints: Constraints = no_constraints
     zero_levels: tuple[int, ...] = (0, 1, 2)
     microbatches: int = 1  # per step: weighs per-microbatch time against per-step sync
+    batch_scale: float = 1.0  # activations' share of the traced batch (see CostModel)
 
 
 @dataclass
@@ -75,6 +77,36 @@ class Solved:
     warnings: list[str]
     # the mesh's axes each solved axis stands for (``group_axes``); one each when ungrouped
     axis_groups: tuple[tuple[int, ...], ...] = ()
+    regions: list[Region] = field(default_factory=list)  # recompute candidates
+    recompute: dict[str, int] = field(default_factory=dict)  # region -> layers recomputed
+
+    def memory(self) -> float:
+        """Bytes per device of the chosen strategies, recomputation included."""
+        total = sum(
+            self.parts.problem.memory[d][k]
+            for d, k in self.choice.items()
+            if d in self.parts.problem.memory
+        )
+        total += self.parts.edge_memory(self.choice)
+        return total - self.recomputed_bytes()
+
+    def recomputed_bytes(self) -> float:
+        saved = 0.0
+        for region in self.regions:
+            copies = self.recompute.get(region.name, 0)
+            if copies:
+                per_copy = sum(region.saving[d][self.choice[d]] for d in region.saving)
+                saved += copies * per_copy
+        return saved
+
+    def recompute_seconds(self) -> float:
+        """Forward time added per microbatch by the recomputed regions."""
+        total = 0.0
+        for region in self.regions:
+            copies = self.recompute.get(region.name, 0)
+            if copies:
+                total += copies * sum(region.forward[d][self.choice[d]] for d in region.forward)
+        return total
 
     def strategy(self, node: str) -> Strategy:
         binding = self.decisions.bindings[node]
@@ -138,63 +170,81 @@ def grouped_mesh(mesh: MeshSpec, groups: tuple[tuple[int, ...], ...]) -> MeshSpe
 def _solve(
     traced: TracedModel, request: SolveRequest, groups: tuple[tuple[int, ...], ...]
 ) -> Solved:
+    """Solve on one grouping of the mesh.
+
+    First the fastest plan with memory set aside: when it fits the limit, memory does not
+    bind and neither ZeRO nor recomputation could make anything faster. Otherwise every
+    allowed ZeRO stage is solved under the limit, with the recompute candidates
+    (``passes.recompute``) as variables, and the fastest feasible one is kept.
+    """
     mesh = grouped_mesh(request.mesh, groups)
-    request = SolveRequest(
-        mesh,
-        request.memory_limit,
-        request.optimizer,
-        request.precision,
-        request.time_limit,
-        request.constraints,
-        request.zero_levels,
-    )
+    request = replace(request, mesh=mesh)
     choices, warnings = graph_choices(traced.graph, mesh.shape)
     representatives = layer_representatives(traced.graph)
     tied = {node: info.nodes[0] for info in traced.params.values() for node in info.nodes[1:]}
     decisions = group_decisions(choices, representatives, tied)
     allowed = allowed_choices(decisions, request.constraints(mesh))
     mesh_cost = MeshCost(mesh, load_preset(mesh.device))
-    last: tuple[ProblemParts, CostModel] | None = None
-    for zero in request.zero_levels:
-        cost = CostModel(mesh_cost, request.optimizer, request.precision, zero)
-        parts = build_problem(
-            decisions,
-            cost,
-            representatives,
-            request.memory_limit,
-            allowed,
-            request.microbatches,
+
+    def attempt(zero: int, limit: float | None) -> tuple[Solved | None, ProblemParts]:
+        cost = CostModel(
+            mesh_cost, request.optimizer, request.precision, zero, batch_scale=request.batch_scale
         )
+        parts = build_problem(
+            decisions, cost, representatives, limit, allowed, request.microbatches
+        )
+        regions = (
+            find_regions(traced.graph, decisions, cost, representatives)
+            if limit is not None
+            else []
+        )
+        parts.problem.recompute = recompute_terms(regions, request.microbatches)
         solution = solve_ilp(parts.problem, request.time_limit)
-        last = (parts, cost)
         if solution.timed_out:
             raise InfeasiblePlanError(
                 f"the solver found no plan within its time limit of {request.time_limit:g} s "
                 f"({solution.report.variables} variables); allow it more time (time_limit=, "
                 "--time-limit)"
             )
-        if solution.feasible:
-            report = solution.report.model_copy(
-                update={"variables_before_merging": unmerged_size(decisions)}
+        if not solution.feasible:
+            return None, parts
+        report = solution.report.model_copy(
+            update={"variables_before_merging": unmerged_size(decisions)}
+        )
+        notes = list(warnings)
+        if report.status != "optimal":
+            notes.append(
+                f"the solver stopped at its time limit ({request.time_limit:g} s) "
+                f"with the best plan found so far (gap {report.gap})"
             )
-            if report.status != "optimal":
-                warnings.append(
-                    f"the solver stopped at its time limit ({request.time_limit:g} s) with "
-                    f"the best plan found so far (gap {report.gap})"
-                )
-            return Solved(
-                decisions,
-                representatives,
-                solution.choice,
-                parts,
-                cost,
-                report,
-                zero,
-                warnings,
-                groups,
-            )
-    assert last is not None
-    raise infeasible_error(last[0], request)
+        return Solved(
+            decisions,
+            representatives,
+            solution.choice,
+            parts,
+            cost,
+            report,
+            zero,
+            notes,
+            groups,
+            regions,
+            solution.recompute,
+        ), parts
+
+    levels = request.zero_levels
+    fastest, parts = attempt(levels[0], None)
+    if fastest is not None and (
+        request.memory_limit is None or fastest.memory() <= request.memory_limit
+    ):
+        return fastest
+    found = []
+    for zero in levels:
+        solved, parts = attempt(zero, request.memory_limit)
+        if solved is not None:
+            found.append(solved)
+    if not found:
+        raise infeasible_error(parts, request)
+    return min(found, key=lambda s: (s.report.objective or 0.0, s.zero))
 
 
 def allowed_choices(decisions: Decisions, constraints: list[Constraint]) -> dict[str, set[int]]:
@@ -218,11 +268,19 @@ def allowed_choices(decisions: Decisions, constraints: list[Constraint]) -> dict
 def infeasible_error(parts: ProblemParts, request: SolveRequest) -> InfeasiblePlanError:
     """The minimum memory per device any allowed plan needs, what dominates it, what helps."""
     problem = parts.problem
-    minimum = IlpProblem(
-        choices=problem.choices,
-        cost={name: list(values) for name, values in problem.memory.items()},
-        allowed=problem.allowed,
-    )
+    # with every layer recomputed in full, what it saves comes off each choice's memory
+    freed: dict[str, list[float]] = {}
+    for term in problem.recompute:
+        if term.kind == "full":
+            for d, row in term.saving.items():
+                mine = freed.setdefault(d, [0.0] * len(row))
+                for k, value in enumerate(row):
+                    mine[k] += term.copies * value
+    cost = {
+        name: [v - f for v, f in zip(values, freed.get(name, [0.0] * len(values)), strict=True)]
+        for name, values in problem.memory.items()
+    }
+    minimum = IlpProblem(choices=problem.choices, cost=cost, allowed=problem.allowed)
     solution = solve_ilp(minimum, request.time_limit)
     if not solution.feasible:
         return InfeasiblePlanError(
@@ -234,19 +292,19 @@ def infeasible_error(parts: ProblemParts, request: SolveRequest) -> InfeasiblePl
         terms["parameters"] += params
         terms["gradients"] += grads
         terms["optimizer states"] += optimizer
-        terms["activations"] += parts.activations[name][k]
+        terms["activations"] += parts.activations[name][k] - freed.get(name, [0.0] * (k + 1))[k]
     need = sum(terms.values())
     dominant = max(terms, key=lambda t: terms[t])
     limit = request.memory_limit or 0.0
     helps = (
-        "activation recomputation or more pipeline stages (fewer activations per device), "
-        "a smaller microbatch"
+        "more pipeline stages (fewer layers' activations per device), a smaller microbatch"
         if dominant == "activations"
         else "more devices, pipeline stages, or a lighter optimizer/precision policy"
     )
     return InfeasiblePlanError(
         f"the model does not fit in {format_bytes(limit)} per device on "
-        f"{request.mesh.describe()}: even sharded as far as the rules allow it needs "
+        f"{request.mesh.describe()}: even sharded as far as the rules allow and with every "
+        f"layer recomputed, it needs "
         f"{format_bytes(need)} per device (short by {format_bytes(need - limit)}); "
         f"{dominant} dominate with {format_bytes(terms[dominant])}. What would help: {helps}"
     )

@@ -126,6 +126,8 @@ class RecomputeRegion(_Frozen):
     name: str
     kind: Literal["full", "selective"]
     modules: tuple[str, ...] = ()
+    nodes: tuple[str, ...] = Field((), description="The graph's nodes it recomputes.")
+    layers: tuple[int, ...] = Field((), description="The layers it is applied in.")
     saved_bytes: float = Field(0.0, description="Activation bytes per device it frees.")
     recompute_s: float = Field(0.0, description="Forward time it adds per step.")
 
@@ -168,8 +170,10 @@ class Plan(_Frozen):
     parallelism: Parallelism
     estimate: Estimate
     stage_mesh: MeshSpec | None = Field(
-        None, description="With pipeline stages: the mesh of one stage (the outer axis "
-        "divided by pp); every layout of the plan is on it.")
+        None,
+        description="With pipeline stages: the mesh of one stage (the outer axis "
+        "divided by pp); every layout of the plan is on it.",
+    )
     params: dict[str, ParamPlan]
     ops: dict[str, OpPlan]
     stages: tuple[Stage, ...] = ()

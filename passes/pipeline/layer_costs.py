@@ -12,7 +12,7 @@ sides (a tied embedding and head) is counted on both: both stages hold a copy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -33,6 +33,7 @@ class Part:
     states: float = 0.0  # parameters + gradients + optimizer states
     sync_s: float = 0.0  # gradient synchronisation, once per step
     boundary_bytes: float = 0.0  # what the part hands to the next, per device
+    recompute_s: float = 0.0  # forward run again in backward, one microbatch
     params: set[str] = field(default_factory=set)
 
     @property
@@ -57,7 +58,7 @@ def layer_costs(traced: TracedModel, solved: Solved) -> LayerCosts:
     pre, post = Part(), Part()
     first_layer_seen = False
     part_of: dict[str, Part] = {}
-    cost = solved.cost
+    cost = replace(solved.cost, batch_scale=1.0)  # per traced microbatch; the search scales
     for node in traced.graph.nodes:
         note = node.meta[META_KEY]
         if note.layer is not None and node.op != "placeholder":
@@ -122,14 +123,39 @@ def layer_costs(traced: TracedModel, solved: Solved) -> LayerCosts:
                 # per tensor: the lowering makes one reshard per tensor and layout)
                 kept.add((source.producer, source.index))
                 info = producer.note.outputs[source.index]
-                part.activations += cost.tensor_bytes(info, strategy.inputs[i]) - \
-                    cost.tensor_bytes(info, src)
+                part.activations += cost.tensor_bytes(info, strategy.inputs[i]) - cost.tensor_bytes(
+                    info, src
+                )
+    for layer, (saving, forward) in recomputed_layers(solved).items():
+        parts[layer].activations -= saving
+        parts[layer].compute_s += forward
+        parts[layer].recompute_s += forward
     for index, part in enumerate(parts):
         part.boundary_bytes = _boundary_bytes(
             traced, solved, part_of, part, parts[index + 1] if index + 1 < count else post
         )
     pre.boundary_bytes = _boundary_bytes(traced, solved, part_of, pre, parts[0] if parts else post)
     return LayerCosts(pre, parts, post)
+
+
+def recomputed_layers(solved: Solved) -> dict[int, tuple[float, float]]:
+    """Layer index -> (activation bytes freed, forward seconds added) per traced
+    microbatch, for the recompute regions the solver chose: full recompute on the first
+    layers of a class, selective on the last (``ilp.RecomputeTerm``)."""
+    found: dict[int, tuple[float, float]] = {}
+    scale = solved.cost.batch_scale or 1.0
+    for region in solved.regions:
+        copies = solved.recompute.get(region.name, 0)
+        if not copies:
+            continue
+        layers = sorted(region.copies)
+        chosen = layers[:copies] if region.kind == "full" else layers[-copies:]
+        saving = sum(region.saving[d][solved.choice[d]] for d in region.saving) / scale
+        forward = sum(region.forward[d][solved.choice[d]] for d in region.forward)
+        for layer in chosen:
+            old = found.get(layer, (0.0, 0.0))
+            found[layer] = (old[0] + saving, old[1] + forward)
+    return found
 
 
 def _users(traced: TracedModel, name: str) -> list[torch.fx.Node]:

@@ -30,7 +30,7 @@ from cost_model.compute import peak_flops
 from cost_model.memory import microbatches_in_flight
 from cost_model.step import exposed_gradient_sync, mfu, pipeline_time
 from passes.pipeline.layer_costs import LayerCosts, Part, layer_costs
-from passes.pipeline.stage_cut import StageCut, cut_stages
+from passes.pipeline.stage_cut import StageCut, cut_stages, evaluate_cut
 from passes.plan_build import build_plan
 from passes.solve import Solved, SolveRequest, solve_sharding
 from passes.trace import TracedModel
@@ -62,6 +62,9 @@ class PipelineRequest:
     schedule: str | None = None
     microbatches: int | None = None
     chunks: int | None = None
+    # the layer where each stage begins (hints' ``pipeline.cuts``): fixes the stage count and
+    # the cut, so the stage-cut ILP is skipped; not with the interleaved schedule
+    cuts: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -103,41 +106,53 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
     errors: list[InfeasiblePlanError] = []
     for p in _stage_counts(mesh, layers, request):
         stage_mesh = _stage_mesh(mesh, p)
-        solve = replace(
-            request.solve,
-            mesh=stage_mesh,
-            memory_limit=None if limit is None else limit * p,
-            microbatches=max(request.global_batch // request.traced_batch, 1),
-        )
-        try:
-            solved = solve_sharding(traced, solve)
-        except InfeasiblePlanError as error:
-            errors.append(error)
+        sizes = _microbatch_sizes(request, stage_mesh)
+        if not sizes:
             continue
-        costs = layer_costs(traced, solved)
-        mesh_cost = solved.cost.mesh_cost
-        for b in _microbatch_sizes(request, stage_mesh):
-            m = request.global_batch // b
-            scale = b / request.traced_batch
-            for schedule, chunks in _schedules(p, layers, request):
-                found = _evaluate(
-                    costs,
-                    solved,
-                    stage_mesh,
-                    mesh_cost,
-                    p,
-                    schedule,
-                    chunks,
-                    b,
-                    m,
-                    scale,
-                    limit,
-                    request,
-                )
-                if isinstance(found, Candidate):
-                    candidates.append(found)
-                elif found is not None and (smallest is None or found[0] < smallest[0]):
-                    smallest = found
+        # first the fastest intra-op plan (memory per stage is checked when cutting);
+        # if no microbatch size fits with it, a plan solved under the memory limit for the
+        # smallest microbatch (with ZeRO and recomputation as it needs them)
+        for bounded in (False, True):
+            solve = replace(
+                request.solve,
+                mesh=stage_mesh,
+                memory_limit=None if limit is None or not bounded else limit * p,
+                microbatches=max(request.global_batch // request.traced_batch, 1),
+                batch_scale=min(sizes) / request.traced_batch if bounded else 1.0,
+            )
+            try:
+                solved = solve_sharding(traced, solve)
+            except InfeasiblePlanError as error:
+                errors.append(error)
+                break
+            costs = layer_costs(traced, solved)
+            mesh_cost = solved.cost.mesh_cost
+            fitted = 0
+            for b in sizes:
+                m = request.global_batch // b
+                scale = b / request.traced_batch
+                for schedule, chunks in _schedules(p, layers, request):
+                    found = _evaluate(
+                        costs,
+                        solved,
+                        stage_mesh,
+                        mesh_cost,
+                        p,
+                        schedule,
+                        chunks,
+                        b,
+                        m,
+                        scale,
+                        limit,
+                        request,
+                    )
+                    if isinstance(found, Candidate):
+                        candidates.append(found)
+                        fitted += 1
+                    elif found is not None and (smallest is None or found[0] < smallest[0]):
+                        smallest = found
+            if fitted or limit is None:
+                break
     if not candidates:
         raise _nothing_fits(mesh, limit, smallest, errors)
     candidates.sort(key=lambda c: (c.step_time_s, c.memory))  # ties: the leaner one
@@ -159,6 +174,27 @@ def _check(traced: TracedModel, request: PipelineRequest) -> None:
                 f"outer axis {mesh.axis_names[0]} of {mesh.shape[0]} devices; "
                 f"pick a divisor of {mesh.shape[0]}"
             )
+    if request.cuts is not None:
+        cuts = request.cuts
+        if (
+            not cuts
+            or cuts[0] != 0
+            or any(b <= a for a, b in zip(cuts, cuts[1:], strict=False))
+            or cuts[-1] >= max(layers, 1)
+        ):
+            raise UsageError(
+                f"pipeline cuts {list(cuts)}: give the first layer of each stage, increasing "
+                f"from 0, below the model's {layers} layers"
+            )
+        if request.stages is not None and request.stages != len(cuts):
+            raise UsageError(f"{request.stages} stages but the cuts make {len(cuts)}")
+        if request.schedule == "interleaved":
+            raise UsageError("interleaved 1F1B cuts the layers into equal chunks; drop the cuts")
+        if mesh.shape[0] % len(cuts):
+            raise UsageError(
+                f"{len(cuts)} pipeline stages do not divide the mesh's outer axis "
+                f"{mesh.axis_names[0]} of {mesh.shape[0]} devices"
+            )
     if request.schedule is not None and request.schedule not in SCHEDULES:
         raise UsageError(
             f"unknown pipeline schedule {request.schedule!r}; one of {', '.join(SCHEDULES)}"
@@ -179,6 +215,8 @@ def _check(traced: TracedModel, request: PipelineRequest) -> None:
 
 
 def _stage_counts(mesh: MeshSpec, layers: int, request: PipelineRequest) -> list[int]:
+    if request.cuts is not None:
+        return [len(request.cuts)]
     if request.stages is not None:
         return [request.stages]
     outer = mesh.shape[0]
@@ -213,6 +251,8 @@ def _schedules(stages: int, layers: int, request: PipelineRequest) -> list[tuple
     names = [request.schedule] if request.schedule else list(SCHEDULES)
     found = []
     for name in names:
+        if name == "interleaved" and request.cuts is not None:
+            continue  # fixed cuts: one chunk per device
         if name == "interleaved":
             chunks = request.chunks or 2
             if layers % (stages * chunks) == 0 and chunks > 1:
@@ -276,6 +316,8 @@ def _evaluate(
     p2p = _p2p_times(costs, mesh_cost, p, scale)
     if schedule == "interleaved":
         cut = _interleaved_cut(costs, p, chunks, m, scale, p2p)
+    elif request.cuts is not None:
+        cut = evaluate_cut(costs, request.cuts, m, schedule, scale, p2p)
     else:
         cut = cut_stages(costs, p, m, schedule, scale, limit, p2p, request.solve.time_limit)
         if cut is None:
@@ -384,8 +426,11 @@ def _nothing_fits(
     smallest: tuple[float, str] | None,
     errors: list[InfeasiblePlanError],
 ) -> InfeasiblePlanError:
+    if errors:
+        # the intra-op solver's account (floor per device, the dominant term) says most
+        return errors[0]
     if smallest is None:
-        return errors[0] if errors else InfeasiblePlanError("no plan fits")
+        return InfeasiblePlanError("no plan fits")
     need, where = smallest
     return InfeasiblePlanError(
         f"no plan fits in {format_bytes(limit or 0)} per device on {mesh.describe()}: the "
@@ -430,7 +475,14 @@ def _to_plan(
                 modules = (*modules, "(after the layers)")
             ranks = tuple(range(physical * per_stage, (physical + 1) * per_stage))
             stages.append(Stage(index=chunk, layers=(first, last), modules=modules, ranks=ranks))
-    estimate = _estimate(base, best, mesh)
+    estimate = _estimate(base, best, mesh, request.traced_batch)
+    scale = best.microbatch_size / request.traced_batch
+    recompute = tuple(
+        r.model_copy(
+            update={"saved_bytes": r.saved_bytes * scale, "recompute_s": r.recompute_s * scale}
+        )
+        for r in base.recompute
+    )
     parallelism = base.parallelism.model_copy(
         update={"pp": p, "schedule": best.schedule, "microbatches": best.microbatches, "chunks": v}
     )
@@ -453,15 +505,16 @@ def _to_plan(
             "stages": tuple(stages),
             "estimate": estimate,
             "alternatives": alternatives,
+            "recompute": recompute,
         }
     )
 
 
-def _estimate(base: Plan, best: Candidate, mesh: MeshSpec) -> Estimate:
+def _estimate(base: Plan, best: Candidate, mesh: MeshSpec, traced_batch: int) -> Estimate:
     """The step estimate of the chosen configuration (the base plan's figures assume the
     traced batch and no pipeline)."""
     old = base.estimate
-    scale = best.microbatch_size / base.microbatch_size if base.microbatch_size else 1.0
+    scale = best.microbatch_size / traced_batch  # base's figures are for the traced batch
     flops = old.flops_per_step * scale
     worst = max(
         range(len(best.stage_times)), key=lambda s: best.stage_states[s] + best.stage_activations[s]
@@ -496,10 +549,12 @@ def _estimate(base: Plan, best: Candidate, mesh: MeshSpec) -> Estimate:
     compute = (
         best.microbatches * max(best.stage_times) if best.stages > 1 else old.compute_s * scale
     )
+    recompute = sum(region.recompute_s for region in base.recompute) * scale
     return old.model_copy(
         update={
             "step_time_s": best.step_time_s,
             "flops_per_step": flops,
+            "recompute_s": recompute,
             "mfu": mfu(flops, best.step_time_s, peak, mesh.size),
             "memory_per_device_bytes": memory,
             "bubble_s": best.bubble_s,

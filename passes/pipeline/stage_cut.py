@@ -213,3 +213,32 @@ def _cut_identical(
         memory.append(state + act)
     values = tuple(float(pulp.value(t)) for t in times)
     return StageCut(firsts, values, tuple(memory), tuple(states), tuple(acts))
+
+
+def evaluate_cut(
+    costs: LayerCosts,
+    first_layers: Sequence[int],
+    microbatches: int,
+    schedule: str,
+    scale: float,
+    p2p_s: Sequence[float],
+) -> StageCut:
+    """What a given cut costs (stage ``s`` begins at layer ``first_layers[s]``): the same
+    times and memory as the ILP's, for a cut fixed by the user (hints' ``pipeline.cuts``)."""
+    count, p = len(costs.layers), len(first_layers)
+    times, memory, states, acts = [], [], [], []
+    for s in range(p):
+        end = first_layers[s + 1] if s + 1 < p else count
+        parts = [costs.layers[i] for i in range(first_layers[s], end)]
+        if s == 0:
+            parts.append(costs.pre)
+        if s == p - 1:
+            parts.append(costs.post)
+        held = microbatches_in_flight(schedule, p, s, microbatches)
+        state = sum(part.states for part in parts)
+        act = held * scale * sum(part.activations for part in parts)
+        times.append(sum(part.time_s for part in parts) * scale + p2p_s[s])
+        states.append(state)
+        acts.append(act)
+        memory.append(state + act)
+    return StageCut(tuple(first_layers), tuple(times), tuple(memory), tuple(states), tuple(acts))
