@@ -136,6 +136,7 @@ def annotate_graph(
             if probe.saved_outputs:
                 saved_owners.add(_owner(node, owner_of_storage))
             internal_saved[node] = probe.internal_saved_bytes
+            entry["internal_saved_bytes"] = probe.internal_saved_bytes
             entry["saved_inputs"] = tuple(sorted(probe.saved_inputs))
         entry["requires_grad"] = requires_grad.get(node, False)
         fields[node] = entry

@@ -20,6 +20,8 @@ saved_bytes         bytes autograd keeps for backward that belong to this node: 
                     storage if any op saves it (counted once, at the node that owns the
                     storage: views and aliases point at their base, see ``alias_of``), plus
                     the intermediates the op itself keeps (statistics, masks)
+internal_saved_bytes  the part of ``saved_bytes`` the op keeps that is not a tensor of the
+                    graph (a norm's statistics, attention's log-sum-exp, a dropout mask)
 saved_inputs        positions (flattened tensor-input order) of the inputs the op's backward
                     keeps; where the input arrives resharded, the reshard's copy is what is kept
 alias_of            the node whose storage this node's output views, or None
@@ -69,6 +71,7 @@ class NodeAnnotation:
     module: str = ""
     layer: int | None = None
     saved_bytes: int = 0
+    internal_saved_bytes: int = 0
     saved_inputs: tuple[int, ...] = ()
     alias_of: str | None = None
     requires_grad: bool = False

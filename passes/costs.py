@@ -117,6 +117,15 @@ class CostModel:
         )
         return fwd, bwd
 
+    def saved_bytes(self, note: NodeAnnotation, strategy: Strategy, nbytes: float) -> float:
+        """``nbytes`` of what ``note``'s op keeps, per device under ``strategy`` (split as its
+        output is; see ``activation_bytes``)."""
+        if not nbytes or not strategy.outputs:
+            return 0.0
+        factor = strategy.outputs[0].shard_factor(self.mesh_shape)
+        dtype = note.outputs[0].dtype if note.outputs else "float32"
+        return self.batch_scale * self._bytes(dtype, nbytes) / factor
+
     def tensor_bytes(self, info: TensorInfo, layout: Layout) -> float:
         """Bytes per device of a tensor in ``layout`` (activations in the compute dtype)."""
         return (

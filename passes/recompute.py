@@ -7,13 +7,16 @@ tensors autograd would save for it and run its forward again during backward
 - ``full``: the whole layer (Megatron's full recompute); it keeps only its input, which the
   layer before it produced and which stays anyway.
 - ``selective``: the parts that are large to store and cheap to rebuild (Korthikanti et
-  al. 2022): the element-wise ops between a layer's matmuls that hold wide tensors (the MLP
-  activation: GELU, SiLU and its product; a softmax; dropout), each a region of its own
-  kind. (With flash attention, attention itself keeps only q, k, v, its output and a
-  small log-sum-exp, so there is little to gain there; an explicit softmax is caught by the
+  al. 2022): a run of element-wise ops between two matmuls (the MLP activation: GELU, or
+  SiLU and its product; an explicit softmax) together with the matmul that consumes it,
+  since that matmul keeps the run's output for its backward. (With flash attention, the
+  attention core keeps only q, k, v, its output and a small log-sum-exp, all kept by other
+  ops too, so it frees nothing and is not a candidate; an explicit softmax is caught by the
   element-wise rule.)
 
-What a region saves and costs depends on the strategies chosen (its tensors shrink with
+A checkpointed region frees what its ops keep that is made inside it and kept by nobody
+outside it; its inputs are kept by the checkpoint, and ops outside keep theirs. What a
+region saves and costs depends on the strategies chosen (its tensors shrink with
 their layouts), so each is given as coefficients per decision choice, for one layer:
 ``saving[d][k]`` bytes per device and ``forward[d][k]`` seconds. ``ilp.solve_ilp`` adds, per
 region and per layer copy ``l``, a binary ``r[l]`` (recompute it) and linearises the products
@@ -83,6 +86,7 @@ def find_regions(
         note = node.meta[META_KEY]
         if note.layer is not None and node.op == "call_function" and note.outputs:
             layer_nodes[note.layer].append(node)
+    savers = _savers(graph)
     classes: dict[tuple[str, ...], list[int]] = defaultdict(list)
     for layer, nodes in sorted(layer_nodes.items()):
         signature = tuple(representatives.get(n.name, n.name) for n in nodes)
@@ -91,65 +95,77 @@ def find_regions(
     for layers in classes.values():
         first = layers[0]
         nodes = layer_nodes[first]
-        inside = {n.name for n in nodes}
-        kept = _internal(nodes, inside)
-        candidates = [(f"layers[{first}] full", "full", kept)]
-        for group in _selective_groups(nodes, inside):
-            candidates.append(
-                (
-                    f"{_module(group[0])} {group[0].target}",
-                    "selective",
-                    [n for n in group if n.name in {k.name for k in kept}],
-                )
-            )
+        candidates = [(f"layers[{first}] full", "full", nodes)]
+        for group in _selective_groups(nodes):
+            candidates.append((f"{_module(group[0])} {group[0].target}", "selective", group))
         for name, kind, members in candidates:
-            if not members:
-                continue
             region = Region(name, kind, tuple(n.name for n in members), {})
             by_position = {n.name: i for i, n in enumerate(nodes)}
             for layer in layers:
                 others = layer_nodes[layer]
                 region.copies[layer] = tuple(others[by_position[n.name]].name for n in members)
-            _coefficients(region, members, decisions, cost)
+            _coefficients(region, members, decisions, cost, savers)
             if region.saving_bound > 0:
                 regions.append(region)
     return regions
 
 
-def _internal(nodes: list[torch.fx.Node], inside: set[str]) -> list[torch.fx.Node]:
-    """Nodes whose output is used only inside the layer: what a checkpoint of the layer
-    drops (the layer's output is the next layer's input and stays)."""
-    return [n for n in nodes if n.users and all(u.name in inside for u in n.users)]
+def _savers(graph: torch.fx.Graph) -> dict[str, set[str]]:
+    """Owner of a storage -> the nodes whose backward keeps it (directly or through views)."""
+    savers: dict[str, set[str]] = defaultdict(set)
+    for node in graph.nodes:
+        note = node.meta[META_KEY]
+        if not note.saved_inputs:
+            continue
+        tensors = [a for a in _flat_inputs(node) if isinstance(a.meta.get("val"), torch.Tensor)]
+        for position in note.saved_inputs:
+            if position < len(tensors):
+                source = tensors[position]
+                owner = source.meta[META_KEY].alias_of or source.name
+                savers[owner].add(node.name)
+    return savers
 
 
-def _selective_groups(nodes: list[torch.fx.Node], inside: set[str]) -> list[list[torch.fx.Node]]:
-    """Runs of element-wise ops between matmuls (an MLP's activation, a softmax)."""
+def _flat_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+
+    def visit(value: object) -> None:
+        if isinstance(value, torch.fx.Node):
+            found.append(value)
+        elif isinstance(value, list | tuple):
+            for item in value:
+                visit(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+
+    visit(node.args)
+    visit(node.kwargs)
+    return found
+
+
+def _selective_groups(nodes: list[torch.fx.Node]) -> list[list[torch.fx.Node]]:
+    """Runs of element-wise ops between two matmuls (an MLP's activation, an explicit
+    softmax), each with the matmul that consumes it: that matmul keeps the run's output
+    for its backward, so only with it inside does recomputing the run free anything."""
     groups: list[list[torch.fx.Node]] = []
     current: list[torch.fx.Node] = []
+    after_matmul = False
     for node in nodes:
         op = str(node.target)
-        if op in SELECTIVE_OPS and node.meta[META_KEY].fwd_flops == 0:
+        note = node.meta[META_KEY]
+        if op in MATMULS:
+            if current and after_matmul:
+                groups.append([*current, node])
+            current, after_matmul = [], True
+        elif op in SELECTIVE_OPS and note.fwd_flops == 0:
             current.append(node)
-            continue
-        if op in MATMULS or node.meta[META_KEY].kind == "op":
-            if current and any(node.meta[META_KEY].saved_bytes for node in current):
-                groups.append(current)
-            current = []
-    if current and any(n.meta[META_KEY].saved_bytes for n in current):
-        groups.append(current)
-    # only runs that sit between two matmuls of the layer (the MLP activation), not the
-    # residual adds at the layer's edges
-    return [g for g in groups if _between_matmuls(g, nodes)]
-
-
-def _between_matmuls(group: list[torch.fx.Node], nodes: list[torch.fx.Node]) -> bool:
-    names = {n.name for n in group}
-    producers = {a.name for n in group for a in n.all_input_nodes if a.name not in names}
-    consumers = {u.name for n in group for u in n.users if u.name not in names}
-    by_name = {n.name: n for n in nodes}
-    return any(str(by_name[p].target) in MATMULS for p in producers if p in by_name) and any(
-        str(by_name[c].target) in MATMULS for c in consumers if c in by_name
-    )
+        elif note.kind == "view":
+            if current:
+                current.append(node)
+        else:
+            current, after_matmul = [], False
+    return groups
 
 
 def _module(node: torch.fx.Node) -> str:
@@ -157,21 +173,35 @@ def _module(node: torch.fx.Node) -> str:
 
 
 def _coefficients(
-    region: Region, members: list[torch.fx.Node], decisions: Decisions, cost: CostModel
+    region: Region,
+    members: list[torch.fx.Node],
+    decisions: Decisions,
+    cost: CostModel,
+    savers: dict[str, set[str]],
 ) -> None:
-    """Per decision choice: the activation bytes the region's nodes hold and their forward
-    time, for one copy of the layer."""
+    """Per decision choice, for one copy of the layer: the bytes per device a checkpoint of
+    the region frees, and the forward time it adds.
+
+    It frees what its ops keep that is made inside it and kept by nobody outside it (ops
+    outside still keep theirs; the region's inputs are kept by the checkpoint), and what its
+    ops keep that is no tensor of the graph (statistics, masks)."""
+    inside = {n.name for n in members}
     for node in members:
         binding = decisions.bindings.get(node.name)
         if binding is None or binding.source is not None:
             continue
         note = node.meta[META_KEY]
+        keepers = savers.get(node.name, set())
+        owns_freed = note.alias_of is None and bool(keepers) and keepers <= inside
+        freed = note.internal_saved_bytes + (
+            note.saved_bytes - note.internal_saved_bytes if owns_freed else 0
+        )
         count = len(decisions.decisions[binding.decision].strategies)
         saving = region.saving.setdefault(binding.decision, [0.0] * count)
         forward = region.forward.setdefault(binding.decision, [0.0] * count)
         for k in range(count):
             strategy = decisions.strategy(node.name, k)
-            saving[k] += cost.activation_bytes(note, strategy)
+            saving[k] += cost.saved_bytes(note, strategy, freed)
             forward[k] += cost.op_time(note, strategy)[0]
     region.saving_bound = sum(max(v) for v in region.saving.values())
     region.forward_bound = sum(max(v) for v in region.forward.values())
