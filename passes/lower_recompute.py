@@ -78,7 +78,7 @@ def _region_nodes(graph: torch.fx.Graph, names: set[str]) -> list[torch.fx.Node]
     while changed:  # helpers whose every user is inside join, back to front
         changed = False
         for node in reversed(list(graph.nodes)):
-            if node in inside or node.op != "call_function" and node.op != "call_module":
+            if node in inside or node.op not in ("call_function", "call_module"):
                 continue
             if node.name in names:
                 continue
