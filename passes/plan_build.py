@@ -11,7 +11,7 @@ from collections import Counter
 
 from cost_model.compute import peak_flops
 from cost_model.reshard import Reshard
-from cost_model.step import mfu
+from cost_model.step import exposed_gradient_sync, mfu
 from passes.annotation import META_KEY
 from passes.costs import dual, zero_layout_of
 from passes.solve import Solved
@@ -266,7 +266,10 @@ def _estimate(
     inline, overlap_edges = parts.edge_time(choice)
     sync = sum(parts.sync[d][k] for d, k in choice.items())
     compute_step = compute * microbatches
-    hidden = max(0.0, sync + overlap_edges * microbatches - compute_step)
+    backward = sum(parts.compute_bwd[d][k] for d, k in choice.items()) * microbatches
+    hidden = exposed_gradient_sync(
+        sync + overlap_edges * microbatches, backward, traced.layers.count if traced.layers else 1
+    )
     step = compute_step + inline * microbatches + hidden
     params_b = sum(parts.model_states[d][k][0] for d, k in choice.items())
     grads_b = sum(parts.model_states[d][k][1] for d, k in choice.items())

@@ -90,10 +90,10 @@ def build_problem(
     problem = parts.problem
     for name in choices:
         fwd, bwd = parts.compute_fwd[name], parts.compute_bwd[name]
-        problem.hidden_by[name] = [microbatches * (f + b) for f, b in zip(fwd, bwd, strict=True)]
+        problem.hidden_by[name] = [microbatches * b for b in bwd]
         problem.cost[name] = [
-            c + microbatches * e
-            for c, e in zip(problem.hidden_by[name], parts.self_edge[name], strict=True)
+            microbatches * (f + b + e)
+            for f, b, e in zip(fwd, bwd, parts.self_edge[name], strict=True)
         ]
         problem.overlappable[name] = list(parts.sync[name])
         problem.memory[name] = [

@@ -199,6 +199,7 @@ def _solve(
             else []
         )
         parts.problem.recompute = recompute_terms(regions, request.microbatches)
+        parts.problem.buckets = traced.layers.count if traced.layers else 1
         solution = solve_ilp(parts.problem, request.time_limit)
         if solution.timed_out:
             raise InfeasiblePlanError(

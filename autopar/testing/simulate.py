@@ -62,8 +62,11 @@ class _SimCollective(nn.Module):
 def simulate(
     traced: TracedModel, plan: Plan, model: nn.Module, inputs: tuple[torch.Tensor, ...]
 ) -> dict[tuple[int, ...], dict[str, Any]]:
-    """Every rank's recorded node values (forward only) for ``plan`` on ``inputs``."""
-    mesh = plan.mesh
+    """Every rank's recorded node values (forward only) for ``plan`` on ``inputs``.
+
+    With pipeline stages, the layouts hold on one stage's mesh: the whole graph runs there
+    (the stage split itself is tested on real ranks)."""
+    mesh = plan.stage_mesh or plan.mesh
     layouts = PlanLayouts(traced, plan)
     exchanges: dict[tuple[int, tuple[int, ...]], _Exchange] = {}
     ranks = list(range(mesh.size))
@@ -170,7 +173,7 @@ def first_mismatch(
     records = simulate(traced, plan, model, inputs)
     reference = reference_values(traced, model, inputs)
     layouts = PlanLayouts(traced, plan)
-    mesh = plan.mesh
+    mesh = plan.stage_mesh or plan.mesh
     for node in traced.graph.nodes:
         if node.op != "call_function" or node.name not in reference:
             continue

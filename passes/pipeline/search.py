@@ -23,6 +23,7 @@ bubble is ``(p - 1) / (v m)`` of the ideal time.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 from cost_model.collectives import MeshCost
@@ -155,7 +156,10 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
                 break
     if not candidates:
         raise _nothing_fits(mesh, limit, smallest, errors)
-    candidates.sort(key=lambda c: (c.step_time_s, c.memory))  # ties: the leaner one
+    # ties (the roofline scales compute and traffic with the microbatch, so splitting the
+    # batch is often free on paper): fewer microbatches, whose larger kernels and fewer
+    # collective launches the model does not see; then the leaner one
+    candidates.sort(key=lambda c: (float(f"{c.step_time_s:.9g}"), c.microbatches, c.memory))
     return _to_plan(traced, request, candidates[0], candidates[1:6])
 
 
@@ -179,7 +183,7 @@ def _check(traced: TracedModel, request: PipelineRequest) -> None:
         if (
             not cuts
             or cuts[0] != 0
-            or any(b <= a for a, b in zip(cuts, cuts[1:], strict=False))
+            or any(b <= a for a, b in itertools.pairwise(cuts))
             or cuts[-1] >= max(layers, 1)
         ):
             raise UsageError(
@@ -286,12 +290,15 @@ def _evaluate(
     layers = len(costs.layers)
     if p == 1:
         parts = [costs.pre, *costs.layers, costs.post]
-        time = sum(part.time_s for part in parts) * scale
+        # as the intra-op ILP counts it: compute and resharding per microbatch; gradient
+        # sync once, parameter gathers per microbatch, hidden bucket by bucket behind the
+        # backward passes (cost_model.step.exposed_gradient_sync)
+        time = sum(part.compute_s + part.comm_s for part in parts) * scale
         states = sum(part.states for part in parts) - _shared_states(costs)
         activations = sum(part.activations for part in parts) * scale
-        sync = sum(part.sync_s for part in parts)
+        sync = sum(part.sync_s for part in parts) + m * sum(part.gather_s for part in parts)
         backward = (sum(part.compute_s - part.forward_s for part in parts)) * scale
-        step = m * time + exposed_gradient_sync(sync, backward, max(layers, 1))
+        step = m * time + exposed_gradient_sync(sync, m * backward, max(layers, 1))
         memory = states + activations
         forward = sum(part.forward_s for part in parts) * scale
         candidate = Candidate(
