@@ -43,7 +43,6 @@ stage the model's outputs.
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -67,6 +66,7 @@ class StageProgram:
     receives: tuple[str, ...]  # activations from stage index - 1: the positional inputs
     sends: tuple[str, ...]  # activations to stage index + 1: the outputs (last stage: none)
     user_inputs: tuple[str, ...]  # keyword inputs: every user input, by placeholder name
+    returns: tuple[str, ...] = ()  # last stage: the model's flat outputs (lowered names)
     params: dict[str, str] = field(default_factory=dict)  # get_attr target -> param name
     buffers: dict[str, str] = field(default_factory=dict)
     constants: dict[str, str] = field(default_factory=dict)
@@ -163,13 +163,12 @@ class _Split:
         """Nodes that depend on no activation and no user input (recomputed where used)."""
         static: set[torch.fx.Node] = set()
         for node in self.nodes:
-            if node.op == "get_attr":
-                static.add(node)
-            elif node.op in ("call_function", "call_module", "call_method") and not _random(
-                node
+            if node.op == "get_attr" or (
+                node.op in ("call_function", "call_module", "call_method")
+                and not _random(node)
+                and all(arg in static for arg in node.all_input_nodes)
             ):
-                if all(arg in static for arg in node.all_input_nodes):
-                    static.add(node)
+                static.add(node)
         return static
 
     def _place(self) -> None:
@@ -247,12 +246,12 @@ class _Split:
                 if self.stage.get(n) == index or (n in self.static and index in uses[n])
             }
             programs.append(self._build(index, receives, sends, inputs, keep))
-        unused = set(self.lowered.params.values()) - {
-            name for p in programs for name in p.params.values()
-        }
-        for target, name in self.lowered.params.items():
-            if name in unused:  # held by the first stage, so the optimizer still sees it
-                programs[0].params.setdefault(target, name)
+        # what no stage reads is held by the first (the optimizer and state_dict see it)
+        for kind in ("params", "buffers"):
+            read = {t for p in programs for t in getattr(p, kind)}
+            for target, name in getattr(self.lowered, kind).items():
+                if target not in read:
+                    getattr(programs[0], kind)[target] = name
         return programs
 
     def _build(
@@ -268,18 +267,19 @@ class _Split:
         for node in receives:
             env[node] = graph.placeholder(node.name)
         for node in inputs:
-            env[node] = graph.placeholder(node.name)
+            env[node] = graph.placeholder(keyword_name(node.name))
         program = StageProgram(
             index,
             graph,
-            tuple(env[n].name for n in receives),
+            tuple(n.name for n in receives),
             (),
-            tuple(env[n].name for n in inputs),
+            tuple(str(env[n].target) for n in inputs),
         )
         for node in self.nodes:
             if node.op == "output":
                 if index == self.last:
                     graph.output(torch.fx.map_arg(node.args[0], lambda a: env[a]))
+                    program.returns = tuple(n.name for n in _nodes_in(node.args[0]))
                 continue
             if node not in keep or node in env:
                 continue
@@ -289,18 +289,7 @@ class _Split:
             out = [graph.call_method("contiguous", (env[n],)) for n in sends]
             graph.output(tuple(out))
             program.sends = tuple(n.name for n in sends)
-        graph.eliminate_dead_code()
         graph.lint()
-        # what the program still reads, after dead code is gone
-        program.params = {
-            t: n for t, n in program.params.items() if _reads(graph, "get_attr", t)
-        }
-        program.buffers = {
-            t: n for t, n in program.buffers.items() if _reads(graph, "get_attr", t)
-        }
-        program.constants = {
-            t: n for t, n in program.constants.items() if _reads(graph, "get_attr", t)
-        }
         return program
 
     def _record(self, program: StageProgram, node: torch.fx.Node) -> None:
@@ -318,8 +307,24 @@ class _Split:
             program.collectives[target] = lowered.collectives[target]
 
 
-def _reads(graph: torch.fx.Graph, op: str, target: str) -> bool:
-    return any(n.op == op and n.target == target for n in graph.nodes)
+def _nodes_in(value: object) -> list[torch.fx.Node]:
+    """The nodes in a (nested) output value, in order."""
+    if isinstance(value, torch.fx.Node):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [n for item in value for n in _nodes_in(item)]
+    if isinstance(value, dict):
+        return [n for item in value.values() for n in _nodes_in(item)]
+    return []
+
+
+def keyword_name(name: str) -> str:
+    """The keyword a user input takes in a stage program: its own name, unless the pipeline
+    schedule's ``step`` takes that keyword itself."""
+    return f"{name}_input" if name in _SCHEDULE_KEYWORDS else name
+
+
+_SCHEDULE_KEYWORDS = frozenset({"target", "losses", "return_outputs", "loss_kwargs"})
 
 
 def _random(node: torch.fx.Node) -> bool:
@@ -327,12 +332,6 @@ def _random(node: torch.fx.Node) -> bool:
     target = node.target
     tags = getattr(target, "tags", ())
     return torch.Tag.nondeterministic_seeded in tags
-
-
-def stage_ranks(plan: Plan, physical: int) -> range:
-    """The global ranks of physical stage ``physical``."""
-    per_stage = stage_mesh(plan).size
-    return range(physical * per_stage, (physical + 1) * per_stage)
 
 
 def iter_stage_codes(programs: list[StageProgram]) -> Iterator[str]:
@@ -344,18 +343,3 @@ def iter_stage_codes(programs: list[StageProgram]) -> Iterator[str]:
             f"{', '.join(program.sends) or 'nothing (last stage: the outputs)'}"
         )
         yield header + "\n" + program.code
-
-
-def pipeline_shape(plan: Plan) -> tuple[int, ...]:
-    """The device mesh a pipeline plan runs on: (pp, *stage mesh shape)."""
-    return (plan.parallelism.pp, *stage_mesh(plan).shape)
-
-
-def check_world(plan: Plan) -> None:
-    """The plan's stages tile the mesh (a plan file could say otherwise)."""
-    pp = plan.parallelism.pp
-    if pp > 1 and math.prod(pipeline_shape(plan)) != plan.mesh.size:
-        raise PlanFileError(
-            f"the plan's {pp} stages of {stage_mesh(plan).describe()} do not make up its "
-            f"mesh {plan.mesh.describe()}"
-        )

@@ -1,7 +1,9 @@
 """``autopar codegen MODEL --mesh 2x2 --rank 1``: print the code one rank runs.
 
 Plans the model (or reads ``--plan``), lowers it for the rank's mesh coordinates and prints
-the resulting Python: local shapes, local ops, and the collectives, by mesh axis.
+the resulting Python: local shapes, local ops, and the collectives, by mesh axis. For a
+pipeline plan, the rank's stage programs (one, or ``chunks`` when interleaved), each under
+a header naming what it receives from the previous stage and sends to the next.
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ import argparse
 from typing import Any
 
 import autopar
+from autopar.api import example_batch, microbatch_inputs
 from autopar.cli.mesh_args import add_mesh_arguments, mesh_from_args
 from autopar.cli.plan import add_model_arguments
 from autopar.model_source import build_model, parse_config
 from passes.from_plan import PlanLayouts
 from passes.lower_spmd import lower_spmd
+from passes.lower_stages import iter_stage_codes, locate, split_stages, stage_mesh
 from passes.trace import trace
 from plans.errors import UsageError
 from plans.io import load_plan
@@ -30,6 +34,13 @@ def add_parser(subparsers: Any) -> None:
     add_mesh_arguments(parser)
     parser.add_argument("--rank", type=int, default=0, help="which rank (default 0)")
     parser.add_argument("--plan", help="a plan file to lower instead of planning anew")
+    parser.add_argument("--global-batch", type=int, help="batch per optimizer step")
+    parser.add_argument("--stages", type=int, help="pipeline stages (default: searched)")
+    parser.add_argument(
+        "--schedule", choices=["gpipe", "1f1b", "interleaved"], help="pipeline schedule"
+    )
+    parser.add_argument("--microbatches", type=int, help="microbatches per step")
+    parser.add_argument("--chunks", type=int, help="interleaved stages per device")
     parser.set_defaults(run=run)
 
 
@@ -38,16 +49,38 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.rank < mesh.size:
         raise UsageError(f"--rank {args.rank}: the mesh has ranks 0..{mesh.size - 1}")
     model, inputs, name = build_model(args.model, parse_config(args.config), meta=True)
-    # pipeline plans lower per stage (next); codegen plans without stages for now
-    plan = load_plan(args.plan) if args.plan else autopar.plan(model, mesh, inputs, name=name,
-                                                               stages=1)
-    traced = trace(model, inputs)
+    if args.plan:
+        plan = load_plan(args.plan)
+    else:
+        options = {
+            "global_batch": args.global_batch,
+            "stages": args.stages,
+            "schedule": args.schedule,
+            "microbatches": args.microbatches,
+            "chunks": args.chunks,
+        }
+        given = {k: v for k, v in options.items() if v is not None}
+        plan = autopar.plan(model, mesh, inputs, name=name, **given)
+    # the program runs one microbatch: trace at its size
+    traced = trace(model, microbatch_inputs(inputs, example_batch(inputs), plan.microbatch_size))
     layouts = PlanLayouts(traced, plan)
-    coords = plan.mesh.coordinates(args.rank)
-    lowered = lower_spmd(traced, layouts.strategy, layouts.layout, plan.mesh, coords)
+    place = locate(plan, args.rank)
+    lowered = lower_spmd(traced, layouts.strategy, layouts.layout, stage_mesh(plan), place.coords)
     header = (
         f"# {name} on {plan.mesh.describe()}, rank {args.rank} at mesh coordinates "
-        f"{dict(zip(plan.mesh.axis_names, coords, strict=True))}\n"
+        f"{dict(zip(plan.mesh.axis_names, plan.mesh.coordinates(args.rank), strict=True))}\n"
     )
-    print(header + lowered.graph.python_code("self").src.strip())
+    par = plan.parallelism
+    if par.pp == 1:
+        print(header + lowered.graph.python_code("self").src.strip())
+        return 0
+    inner = stage_mesh(plan)
+    header += (
+        f"# pipeline stage {place.stage} of {par.pp} ({par.schedule}, {par.microbatches} x "
+        f"microbatch of {plan.microbatch_size}), at stage-mesh coordinates "
+        f"{dict(zip(inner.axis_names, place.coords, strict=True))}\n"
+    )
+    programs = split_stages(traced, lowered, plan)
+    mine = [programs[index] for index in place.stages]
+    print(header + "\n\n".join(iter_stage_codes(mine)))
     return 0

@@ -30,6 +30,14 @@ script. ``inputs="local"``: each rank passes only its slice of each input
 loss (for a token-mean cross-entropy: the local sum divided by the global token count), and
 ranks holding the same piece compute the same term (``passes.lower_spmd``, the output
 boundary).
+
+Training steps and pipelines. With the ``loss_fn`` given to ``compile``, ``train_step(inputs,
+targets)`` runs one optimizer step over the global batch in the plan's microbatches. A
+pipeline plan holds only the parameters this rank's stages read (``holds``); the rank's
+lowered program is cut into stage programs (``passes.lower_stages``), each a
+``GraphModule`` sharing the one tree (``stage_modules``; ``program`` is the first), run by
+``autopar.runtime.pipeline``. ``full_parameter``, ``full_gradient`` and ``state_dict`` still
+give every rank whole tensors (from the first stage holding each); ``forward`` is refused.
 """
 
 from __future__ import annotations
@@ -48,11 +56,21 @@ from autopar.runtime import checkpoint
 from autopar.runtime.collectives import MODULES
 from autopar.runtime.grad_sync import GradientSync
 from autopar.runtime.groups import axis_groups
+from autopar.runtime.pipeline import (
+    Loss,
+    PipelineRunner,
+    TiedGradients,
+    boundary_metas,
+    microbatch_loss,
+    pipeline_mesh_spec,
+)
 from autopar.runtime.precision import run_precision
 from autopar.runtime.shards import gather_full, local_slices
 from autopar.runtime.zero import ZeroParam, ZeroShards, master_piece, zero_axes
 from passes.from_plan import PlanLayouts
 from passes.lower_spmd import LoweredGraph, local_shard, lower_spmd
+from passes.lower_stages import StageProgram, holders, iter_stage_codes, locate, split_stages
+from passes.lower_stages import stage_mesh as plan_stage_mesh
 from passes.trace import TracedModel
 from plans.errors import UsageError
 from plans.placement import Layout, Replicate
@@ -113,27 +131,54 @@ class CompiledModel(nn.Module):
         *,
         inputs: InputMode = "global",
         outputs: OutputMode = "whole",
+        loss_fn: Loss | None = None,
     ) -> None:
         super().__init__()
-        mesh = plan.mesh
         rank = dist.get_rank()
         self.plan = plan
-        self.device_mesh = device_mesh
+        # the mesh the plan's layouts are on: one pipeline stage's mesh, or the whole mesh
+        self.mesh = plan_stage_mesh(plan)
         self.device = device
         self.precision = run_precision(plan.precision, device.type)
-        self.coords = mesh.coordinates(rank)
         self.inputs_mode: InputMode = inputs
         self.outputs_mode: OutputMode = outputs
+        self._loss_fn = loss_fn
+        self.pipelined = plan.parallelism.pp > 1
+        if self.pipelined:
+            if inputs != "global" or outputs != "whole":
+                raise UsageError(
+                    "a pipeline plan takes the whole batch on every rank and returns the "
+                    "loss (train_step): drop inputs='local' and outputs='sharded'"
+                )
+            place = locate(plan, rank)
+            self.stage = place.stage
+            self.coords = place.coords
+            self._pipeline_mesh = device_mesh  # (pp, *stage mesh)
+            self.device_mesh = device_mesh[self.mesh.axis_names]  # this stage's mesh
+        else:
+            self.stage = 0
+            self.coords = self.mesh.coordinates(rank)
+            self.device_mesh = device_mesh
         layouts = PlanLayouts(traced, plan, local_inputs=inputs == "local")
-        lowered = lower_spmd(
+        whole = lower_spmd(
             traced,
             layouts.strategy,
             layouts.layout,
-            mesh,
+            self.mesh,
             self.coords,
             device,
             sharded_outputs=outputs == "sharded",
         )
+        self._stage_programs: list[StageProgram] = []
+        if self.pipelined:
+            programs = split_stages(traced, whole, plan)
+            self._stage_programs = [programs[c] for c in place.stages]
+            lowered = _held(whole, self._stage_programs)
+            graphs = [program.graph for program in self._stage_programs]
+            self._holders = holders(programs, plan.parallelism.pp)
+            self._buffer_holders = _buffer_holders(programs, plan.parallelism.pp)
+        else:
+            lowered, graphs = whole, [whole.graph]
         self.lowered: LoweredGraph = lowered
         self._out_spec = traced.exported.call_spec.out_spec
         # name -> (the user's shape, the planned shape), for parameters planned reshaped
@@ -141,16 +186,23 @@ class CompiledModel(nn.Module):
         self._inputs = [
             (name, _shape_of(traced, name), layouts.inputs[name]) for name in traced.user_inputs
         ]
-        self._sync_axis_groups = axis_groups(mesh)
-        zero: list[ZeroParam] = []
-        tree = self._build_tree(model, traced, lowered, zero)
-        self._zero = ZeroShards(zero)
-        program = torch.fx.GraphModule(
-            tree, lowered.graph, class_name=f"{type(model).__name__}Rank{rank}"
+        self._buffer_meta = _buffer_meta(model, whole, self.precision.params)
+        self._sync_axis_groups = (
+            axis_groups(pipeline_mesh_spec(plan))[1:] if self.pipelined else axis_groups(self.mesh)
         )
-        _share_tree(program, tree)
-        object.__setattr__(self, "program", program)  # not a child: it shares our tree
-        self._state_keys = _state_keys(model, plan, lowered)
+        zero: list[ZeroParam] = []
+        tree = self._build_tree(model, traced, whole, zero, graphs)
+        self._zero = ZeroShards(zero)
+        name = type(model).__name__
+        modules = []
+        for index, graph in enumerate(graphs):
+            label = f"Stage{self._stage_programs[index].index}" if self.pipelined else ""
+            module = torch.fx.GraphModule(tree, graph, class_name=f"{name}Rank{rank}{label}")
+            _share_tree(module, tree)
+            modules.append(module)
+        object.__setattr__(self, "program", modules[0])  # not a child: it shares our tree
+        object.__setattr__(self, "stage_modules", modules)
+        self._state_keys = _state_keys(model, plan, whole)
         self._sync = GradientSync(
             [
                 (p, self._sync_groups(n))
@@ -159,31 +211,76 @@ class CompiledModel(nn.Module):
             ]
         )
         _share_tree(self, tree)
+        if self.pipelined:
+            self._start_pipeline(traced, whole, modules)
+
+    def _start_pipeline(
+        self, traced: TracedModel, whole: LoweredGraph, modules: list[torch.fx.GraphModule]
+    ) -> None:
+        """The stages on torch's pipelining and the groups that sum tied weights' gradients."""
+        plan = self.plan
+        per_stage = self.mesh.size
+        local_rank = dist.get_rank() - self.stage * per_stage
+        self._tied = TiedGradients(self._holders, self.stage, per_stage, local_rank)
+        self._sync.enabled = False  # every microbatch's backward adds in: sync_all after
+        self._pp_group = self._pipeline_mesh.get_group(0)
+        self._runner: PipelineRunner | None = None
+        if self._loss_fn is None:
+            return
+        metas = boundary_metas(
+            traced,
+            whole,
+            plan,
+            self.coords,
+            self.device,
+            self.precision.params,
+            lambda: self.precision.autocast(self.device.type),
+        )
+        out_spec = self._out_spec
+
+        def unflatten(flat: list[Any]) -> Any:
+            return flat[0] if out_spec is None else pytree.tree_unflatten(flat, out_spec)
+
+        loss = microbatch_loss(self._loss_fn, unflatten, plan.parallelism.microbatches)
+        self._runner = PipelineRunner(
+            plan,
+            list(zip(self._stage_programs, modules, strict=True)),
+            metas,
+            self._pp_group,
+            self.device,
+            loss,
+        )
 
     def _build_tree(
         self,
         model: nn.Module,
         traced: TracedModel,
-        lowered: LoweredGraph,
+        whole: LoweredGraph,
         zero: list[ZeroParam],
+        graphs: list[torch.fx.Graph],
     ) -> nn.Module:
         """The holder tree: local shards, buffers, constants and collectives at their paths.
 
         A parameter whose optimizer state the plan shards further (ZeRO-1/2) hangs there as
-        its *master* piece, and the graph reads a working copy instead (``runtime.zero``)."""
-        mesh, device = self.plan.mesh, self.device
+        its *master* piece, and the graph reads a working copy instead (``runtime.zero``).
+        In a pipeline the tree holds what this rank's stages read (``self.lowered``), but
+        every parameter is broadcast (every rank takes part in every broadcast)."""
+        mesh, device = self.mesh, self.device
+        lowered = self.lowered
         cast = self.precision.params
         tree = _Holder()
         full_params = dict(model.named_parameters(remove_duplicate=False))
-        for target, name in lowered.params.items():
+        for target, name in whole.params.items():
             full = full_params[name].detach().to(device)
             if name in self._reshaped:
                 full = full.reshape(self._reshaped[name][1])
             dist.broadcast(full, src=0)  # every rank starts from rank 0's weights, as DDP
+            if target not in lowered.params:
+                continue  # another pipeline stage holds it
             local = local_shard(full, self.plan.params[name].param, self.coords, mesh.shape)
             if cast is not None and local.is_floating_point():
                 local = local.to(cast)
-            placed = self._zero_param(name, target, local, lowered, tree)
+            placed = self._zero_param(name, target, local, graphs, tree)
             if placed is not None:
                 zero.append(placed)
                 continue
@@ -203,11 +300,16 @@ class CompiledModel(nn.Module):
         return tree
 
     def _zero_param(
-        self, name: str, target: str, local: torch.Tensor, lowered: LoweredGraph, tree: nn.Module
+        self,
+        name: str,
+        target: str,
+        local: torch.Tensor,
+        graphs: list[torch.fx.Graph],
+        tree: nn.Module,
     ) -> ZeroParam | None:
         """Place a ZeRO-1/2 parameter: its master piece at ``target`` (what the optimizer
         steps), a working copy elsewhere that the graph's ``get_attr`` now reads."""
-        plan, mesh_shape = self.plan.params[name], self.plan.mesh.shape
+        plan, mesh_shape = self.plan.params[name], self.mesh.shape
         found = zero_axes(plan.param, plan.optimizer, mesh_shape)
         if not found:
             return None
@@ -220,9 +322,10 @@ class CompiledModel(nn.Module):
         working = local.clone().requires_grad_(True)
         working_path = "_zero_working." + target.replace(".", "__")
         _set_attr(tree, working_path, working, "constant")
-        for node in lowered.graph.nodes:
-            if node.op == "get_attr" and node.target == target:
-                node.target = working_path
+        for graph in graphs:
+            for node in graph.nodes:
+                if node.op == "get_attr" and node.target == target:
+                    node.target = working_path
         groups = self._sync_axis_groups
         others = tuple(
             groups[axis]  # type: ignore[misc]
@@ -251,11 +354,17 @@ class CompiledModel(nn.Module):
         return tuple(
             groups[axis]  # type: ignore[misc]
             for axis, p in enumerate(layout)
-            if isinstance(p, Replicate) and self.plan.mesh.shape[axis] > 1
+            if isinstance(p, Replicate) and self.mesh.shape[axis] > 1
         )
 
     # ---- running ------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipelined:
+            raise UsageError(
+                f"the plan runs {self.plan.parallelism.pp} pipeline stages: each rank "
+                "holds only its stages, so there is no whole forward to call; train with "
+                "compiled.train_step(inputs, targets)"
+            )
         leaves, _ = pytree.tree_flatten((args, kwargs))
         if len(leaves) != len(self._inputs):
             raise UsageError(
@@ -284,6 +393,14 @@ class CompiledModel(nn.Module):
                     f"inputs='local' this rank passes its slice of the global {shape}, "
                     f"of shape {want}: x[compiled.input_slices()[{index}]]"
                 )
+            if self.plan.parallelism.microbatches > 1 and shape:
+                raise UsageError(
+                    f"input {index} ({name}) has shape {tuple(value.shape)}; the plan runs "
+                    f"the batch of {self.plan.global_batch} as "
+                    f"{self.plan.parallelism.microbatches} microbatches of {shape[0]}: "
+                    f"forward takes one microbatch, of shape {shape}, and "
+                    "compiled.train_step(inputs, targets) the whole batch"
+                )
             raise UsageError(
                 f"input {index} ({name}) has shape {tuple(value.shape)} but the plan was "
                 f"made for {shape}; every rank passes the whole batch of that shape "
@@ -299,12 +416,129 @@ class CompiledModel(nn.Module):
         if shape is None or self.inputs_mode == "global":
             return shape
         return tuple(
-            s.stop - s.start for s in local_slices(shape, layout, self.coords, self.plan.mesh.shape)
+            s.stop - s.start for s in local_slices(shape, layout, self.coords, self.mesh.shape)
         )
+
+    def train_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        """One optimizer step's forward and backward over the global batch.
+
+        ``inputs`` is what the model takes (a tensor, or a tuple for ``model(*inputs)``),
+        for the whole global batch (``plan.global_batch``), the same on every rank;
+        ``targets`` the targets of that batch. The batch runs as the plan's microbatches:
+        through the pipeline schedule for a pipeline plan, else one after the other with
+        the gradients accumulated. Gradients are left ready for ``optimizer.step()``: those
+        of the mean, over the global batch, of the ``loss_fn`` given to ``compile`` (the
+        mean of its per-microbatch values: for a token-mean loss with ignored targets this
+        weighs microbatches equally). Returns that mean loss (detached) on every rank.
+        """
+        if self._loss_fn is None:
+            raise UsageError(
+                "train_step needs the loss: autopar.compile(model, mesh, "
+                "loss_fn=lambda outputs, targets: ...)"
+            )
+        if self.inputs_mode != "global" or self.outputs_mode != "whole":
+            raise UsageError(
+                "train_step takes the whole batch and computes the loss itself: compile "
+                "without inputs='local' and outputs='sharded', or call forward"
+            )
+        args = tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
+        leaves, spec = pytree.tree_flatten(args)
+        if len(leaves) != len(self._inputs):
+            raise UsageError(
+                f"the compiled model takes {len(self._inputs)} inputs (as traced), "
+                f"got {len(leaves)}"
+            )
+        total = self.plan.global_batch
+        batch_major = [self._check_batch_input(i, leaf) for i, leaf in enumerate(leaves)]
+        if (
+            not isinstance(targets, torch.Tensor)
+            or targets.dim() == 0
+            or (targets.shape[0] != total)
+        ):
+            got = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets)
+            raise UsageError(
+                f"targets of shape {got}: train_step takes the targets of the whole batch "
+                f"of {total} (dim 0)"
+            )
+        if self.pipelined:
+            return self._pipeline_step(leaves, batch_major, targets)
+        return self._accumulate(leaves, spec, batch_major, targets)
+
+    def _check_batch_input(self, index: int, value: Any) -> bool:
+        """Whether input ``index`` is split into microbatches (dim 0 the global batch)."""
+        if not isinstance(value, torch.Tensor):
+            return False
+        name, shape, _ = self._inputs[index]
+        total, size = self.plan.global_batch, self.plan.microbatch_size
+        if shape and shape[0] == size and tuple(value.shape) == (total, *shape[1:]):
+            return True
+        if not self.pipelined and shape is not None and tuple(value.shape) == shape:
+            return False  # not batched: every microbatch gets it whole
+        want = (total, *shape[1:]) if shape else shape
+        raise UsageError(
+            f"input {index} ({name}) has shape {tuple(value.shape)}; train_step takes the "
+            f"whole batch of {total} on every rank, of shape {want}"
+        )
+
+    def _accumulate(
+        self, leaves: list[Any], spec: Any, batch_major: list[bool], targets: torch.Tensor
+    ) -> torch.Tensor:
+        """Microbatches one after the other; gradients synchronised in the last backward."""
+        assert self._loss_fn is not None
+        m, size = self.plan.parallelism.microbatches, self.plan.microbatch_size
+        total = torch.zeros((), device=self.device)
+        try:
+            for i in range(m):
+                self._sync.enabled = i == m - 1  # as DDP's no_sync, but the last
+                part = slice(i * size, (i + 1) * size)
+                pieces = [
+                    leaf[part] if split else leaf
+                    for leaf, split in zip(leaves, batch_major, strict=True)
+                ]
+                outputs = self(*pytree.tree_unflatten(pieces, spec))
+                loss = self._loss_fn(outputs, targets[part]) / m
+                loss.backward()
+                total += loss.detach().float()
+        finally:
+            self._sync.enabled = True
+        return total
+
+    def _pipeline_step(
+        self, leaves: list[Any], batch_major: list[bool], targets: torch.Tensor
+    ) -> torch.Tensor:
+        """The schedule over this rank's stages, then gradient sums, then the loss."""
+        if self._runner is None:  # unreachable: compile refuses a pipeline without a loss
+            raise UsageError("train_step needs the loss_fn given to autopar.compile")
+        if not all(batch_major[i] for i, leaf in enumerate(leaves) if torch.is_tensor(leaf)):
+            raise UsageError("a pipeline plan splits every input tensor along dim 0")
+        names = self._stage_programs[0].user_inputs
+        kwargs = {name: self._prepare_value(leaf) for name, leaf in zip(names, leaves, strict=True)}
+        self._zero.gather()
+        with self.precision.autocast(self.device.type):
+            loss = self._runner.step(kwargs, targets)
+        self._sync.sync_all()
+        self._tied.sum(self._grad_of)
+        last = self.plan.parallelism.pp - 1
+        shared = loss if loss is not None else torch.zeros((), device=self.device)
+        dist.broadcast(shared, group=self._pp_group, group_src=last)
+        return shared
+
+    def _prepare_value(self, value: Any) -> Any:
+        cast = self.precision.params
+        if isinstance(value, torch.Tensor) and cast is not None and value.is_floating_point():
+            return value.to(cast)
+        return value
+
+    def _grad_of(self, name: str) -> torch.Tensor | None:
+        """The gradient the optimizer steps with (ZeRO: the master piece's)."""
+        return self._local_param(name).grad
 
     @property
     def code(self) -> str:
-        """The Python this rank runs (``autopar codegen`` prints it)."""
+        """The Python this rank runs (``autopar codegen`` prints it); for a pipeline plan,
+        each of the rank's stage programs under a header saying what crosses its cuts."""
+        if self.pipelined:
+            return "\n\n".join(iter_stage_codes(self._stage_programs))
         return self.program.code
 
     # ---- inputs and outputs ---------------------------------------------------------
@@ -320,7 +554,7 @@ class CompiledModel(nn.Module):
 
         >>> tokens[compiled.input_slices()[0]]     # doctest: +SKIP
         """
-        mesh_shape = self.plan.mesh.shape
+        mesh_shape = self.mesh.shape
         return tuple(
             local_slices(shape, layout, self.coords, mesh_shape) if shape is not None else ()
             for _, shape, layout in self._inputs
@@ -368,25 +602,76 @@ class CompiledModel(nn.Module):
             return self._reshaped[canonical][0]
         return self.param_shape(canonical)
 
+    def holds(self, name: str) -> bool:
+        """Whether this rank holds parameter ``name`` (always, without a pipeline; in a
+        pipeline, when one of its stages reads it)."""
+        return self._canonical(name) in self.lowered.params.values()
+
     def full_parameter(self, name: str) -> torch.Tensor:
         """The whole value of parameter ``name`` in the user's shape, gathered from every
-        rank's shard. Collective: every rank calls it. An unsharded parameter's value
-        shares its storage (``shards.gather_full``)."""
-        local = self._local_value(name)
-        whole = gather_full(local, self.param_layout(name), self.device_mesh)
-        return whole.reshape(self.user_shape(name))
+        rank's shard (in a pipeline, from the first stage that holds it). Collective: every
+        rank calls it. An unsharded parameter's value shares its storage
+        (``shards.gather_full``)."""
+        canonical = self._canonical(name)
+        whole = None
+        if self.holds(canonical):
+            local = self._local_value(canonical)
+            whole = gather_full(local, self.param_layout(canonical), self.device_mesh)
+        whole = self._from_holder(whole, self._param_holder(canonical), canonical)
+        assert whole is not None
+        return whole.reshape(self.user_shape(canonical))
 
     def full_gradient(self, name: str) -> torch.Tensor | None:
         """The whole gradient of parameter ``name`` (None before backward). Collective."""
         canonical = self._canonical(name)
-        if canonical in self._zero.params:
-            grad = self._zero.local_grad(canonical)
-        else:
-            grad = self._local_param(name).grad
-        if grad is None:
+        whole = None
+        if self.holds(canonical):
+            if canonical in self._zero.params:
+                grad = self._zero.local_grad(canonical)
+            else:
+                grad = self._local_param(canonical).grad
+            if grad is not None:
+                whole = gather_full(grad.detach(), self.param_layout(canonical), self.device_mesh)
+        whole = self._from_holder(whole, self._param_holder(canonical), canonical)
+        return None if whole is None else whole.reshape(self.user_shape(canonical))
+
+    def _param_holder(self, canonical: str) -> int:
+        return self._holders[canonical][0] if self.pipelined else 0
+
+    def _from_holder(
+        self, whole: torch.Tensor | None, holder: int, canonical: str
+    ) -> torch.Tensor | None:
+        """In a pipeline, the holder stage's whole tensor on every rank (broadcast over the
+        pipeline axis); without one, ``whole`` itself."""
+        if not self.pipelined:
+            return whole
+        mine = self.stage == holder
+        flag = torch.tensor([int(mine and whole is not None)], device=self.device)
+        dist.broadcast(flag, group=self._pp_group, group_src=holder)
+        if not int(flag.item()):
             return None
-        whole = gather_full(grad.detach(), self.param_layout(name), self.device_mesh)
-        return whole.reshape(self.user_shape(name))
+        if mine:
+            assert whole is not None
+            value = whole.contiguous()
+        else:
+            dtype = self.precision.params or getattr(torch, self.plan.params[canonical].dtype)
+            value = torch.empty(self.param_shape(canonical), dtype=dtype, device=self.device)
+        dist.broadcast(value, group=self._pp_group, group_src=holder)
+        return value
+
+    def _full_buffer(self, source: str) -> torch.Tensor:
+        """A buffer's (whole) value; in a pipeline, from the first stage that holds it."""
+        if not self.pipelined:
+            return self.program.get_buffer(source).detach()
+        holder = self._buffer_holders[source][0]
+        shape, dtype = self._buffer_meta[source]
+        value = (
+            self.program.get_buffer(source).detach().contiguous()
+            if self.stage == holder
+            else torch.empty(shape, dtype=dtype, device=self.device)
+        )
+        dist.broadcast(value, group=self._pp_group, group_src=holder)
+        return value
 
     # ---- state: whole tensors -------------------------------------------------------
     def _save_to_state_dict(
@@ -405,7 +690,7 @@ class CompiledModel(nn.Module):
                     gathered[source] = self.full_parameter(source)
                 destination[prefix + key] = gathered[source]
             else:
-                destination[prefix + key] = self.program.get_buffer(source).detach()
+                destination[prefix + key] = self._full_buffer(source)
 
     def load_state_dict(
         self, state_dict: Any, strict: bool = True, assign: bool = False
@@ -433,11 +718,7 @@ class CompiledModel(nn.Module):
                 )
         for key, kind, source in self._state_keys:
             if key in state_dict:
-                want = (
-                    self.user_shape(source)
-                    if kind == "param"
-                    else tuple(self.program.get_buffer(source).shape)
-                )
+                want = self.user_shape(source) if kind == "param" else self._buffer_meta[source][0]
                 got = tuple(state_dict[key].shape)
                 if got != want:
                     raise UsageError(
@@ -466,11 +747,13 @@ class CompiledModel(nn.Module):
                 if value is None:
                     missing_keys.append(prefix + key)
                     continue
+                if not self._holds_state(kind, source):
+                    continue  # another pipeline stage holds it
                 if kind == "param":
                     layout, shape = self.param_layout(source), self.user_shape(source)
                     target: torch.Tensor = self._local_param(source)
                 else:
-                    layout = Layout.replicated(self.plan.mesh.ndim)
+                    layout = Layout.replicated(self.mesh.ndim)
                     target = self.program.get_buffer(source)
                     shape = tuple(target.shape)
                 if tuple(value.shape) != shape:
@@ -481,9 +764,7 @@ class CompiledModel(nn.Module):
                     continue
                 if kind == "param":
                     value = value.reshape(self.param_shape(source))
-                piece = local_shard(
-                    value.to(target.device), layout, self.coords, self.plan.mesh.shape
-                )
+                piece = local_shard(value.to(target.device), layout, self.coords, self.mesh.shape)
                 if kind == "param" and self._canonical(source) in self._zero.params:
                     self._zero.assign(self._canonical(source), piece)
                 else:
@@ -493,6 +774,11 @@ class CompiledModel(nn.Module):
                 k for k in state_dict if k.startswith(prefix) and k not in expected
             )
 
+    def _holds_state(self, kind: str, source: str) -> bool:
+        if kind == "param":
+            return self.holds(source)
+        return source in self.lowered.buffers
+
     def local_state_items(self) -> Iterator[tuple[str, Any]]:
         """The ``state_dict`` keys with, for a parameter, ``(local shard, layout, whole
         shape)``, for a buffer its (whole) tensor: what a sharded checkpoint writes.
@@ -500,6 +786,11 @@ class CompiledModel(nn.Module):
         A parameter planned reshaped is described in its planned shape: its shards are
         pieces of that tensor, not of the user's (a Megatron q/k/v split is no ``Shard``
         of the fused weight)."""
+        if self.pipelined:
+            raise UsageError(
+                "sharded checkpoints of pipeline plans are not supported yet; save "
+                "compiled.state_dict() (whole tensors, gathered on every rank) instead"
+            )
         for key, kind, source in self._state_keys:
             if kind == "param":
                 local = self._local_value(source)
@@ -551,3 +842,49 @@ def _state_keys(model: nn.Module, plan: Plan, lowered: LoweredGraph) -> list[tup
         elif key in buffer_of:
             keys.append((key, "buffer", buffer_of[key]))
     return keys
+
+
+def _held(whole: LoweredGraph, programs: list[StageProgram]) -> LoweredGraph:
+    """``whole`` with only what ``programs`` read: what this pipeline rank holds."""
+    params: dict[str, str] = {}
+    buffers: dict[str, str] = {}
+    constants: dict[str, str] = {}
+    collectives: dict[str, tuple[str, int]] = {}
+    for program in programs:
+        params.update(program.params)
+        buffers.update(program.buffers)
+        constants.update(program.constants)
+        collectives.update(program.collectives)
+    return LoweredGraph(
+        whole.graph,
+        whole.coords,
+        params={t: n for t, n in whole.params.items() if t in params},
+        buffers={t: n for t, n in whole.buffers.items() if t in buffers},
+        constants={t: n for t, n in whole.constants.items() if t in constants},
+        collectives={t: c for t, c in whole.collectives.items() if t in collectives},
+        counts=whole.counts,
+        outputs=whole.outputs,
+        sources=whole.sources,
+    )
+
+
+def _buffer_holders(programs: list[StageProgram], pp: int) -> dict[str, tuple[int, ...]]:
+    found: dict[str, set[int]] = {}
+    for program in programs:
+        for target in program.buffers:
+            found.setdefault(target, set()).add(program.index % pp)
+    return {name: tuple(sorted(stages)) for name, stages in found.items()}
+
+
+def _buffer_meta(
+    model: nn.Module, lowered: LoweredGraph, cast: torch.dtype | None
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and (run) dtype of each buffer the program reads, for ranks that do not hold
+    it."""
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    meta = {}
+    for target, name in lowered.buffers.items():
+        value = buffers[name]
+        dtype = cast if cast is not None and value.is_floating_point() else value.dtype
+        meta[target] = (tuple(value.shape), dtype)
+    return meta

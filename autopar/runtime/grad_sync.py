@@ -62,6 +62,9 @@ class GradientSync:
                 self.buckets.append(_Bucket(current, groups_of[key]))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._queued = False
+        # off: backward leaves partial gradients alone (gradient accumulation: only the
+        # last microbatch's backward syncs, as DDP's ``no_sync``; pipelines: ``sync_all``)
+        self.enabled = True
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad)
             for b in self.buckets
@@ -69,6 +72,8 @@ class GradientSync:
         ]
 
     def _on_grad(self, param: torch.Tensor) -> None:
+        if not self.enabled:
+            return
         bucket = self._bucket_of[id(param)]
         bucket.ready += 1
         if not self._queued:
@@ -103,6 +108,13 @@ class GradientSync:
                     offset += numel
             bucket.ready, bucket.handles, bucket.flat = 0, [], None
         self._queued = False
+
+    def sync_all(self) -> None:
+        """Sum every gradient now, outside backward (after a pipeline schedule, whose
+        microbatches' backwards each add to the same gradients)."""
+        for bucket in self.buckets:
+            bucket.ready = len(bucket.params)
+        self._finish()
 
     def remove(self) -> None:
         for hook in self._hooks:

@@ -58,8 +58,9 @@ class ParamGathers:
     def clear(self) -> None:
         self._made.clear()
 
-    def record(self, output: torch.Tensor, source: torch.Tensor, dim: int,
-               group: dist.ProcessGroup) -> None:
+    def record(
+        self, output: torch.Tensor, source: torch.Tensor, dim: int, group: dist.ProcessGroup
+    ) -> None:
         """``output`` was all-gathered from ``source`` along ``dim`` over ``group``."""
         if self._is_param(source):
             recipe = _Recipe(source, ((dim, group),))
@@ -85,8 +86,9 @@ class ParamGathers:
         recipe = self._lookup(tensor)
         if recipe is None:
             return tensor
-        return _Packed(recipe, tuple(tensor.size()), tuple(tensor.stride()),
-                       tensor.storage_offset())
+        return _Packed(
+            recipe, tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset()
+        )
 
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:
