@@ -8,7 +8,7 @@ the rank's module.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,13 +18,14 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.force import style_constraints
+from autopar.hints_api import apply_hints
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.runtime.precision import check_precision, run_precision
-from passes.pipeline.search import PipelineRequest, plan_pipeline
+from passes.pipeline.search import PipelineRequest
 from passes.solve import SolveRequest, no_constraints
 from passes.trace import TracedModel, trace
-from plans.errors import UsageError
+from plans.errors import AutoparError, UsageError
 from plans.io import load_plan, plan_from_dict
 from plans.mesh import MeshSpec
 from plans.plan import Plan
@@ -49,7 +50,8 @@ def plan(
     microbatches with gradient accumulation; ``memory_limit`` per device (default: the
     preset's memory); ``optimizer`` and ``precision`` (what the memory and time are costed
     for); ``force`` a parallel style (``autopar.force.STYLES``); ``zero`` a ZeRO stage;
-    ``time_limit`` for the solver; ``name`` for the plan.
+    ``time_limit`` for the solver; ``name`` for the plan; ``hints`` a GShard-style hint
+    file (``docs/hints.md``) whose every hint is a constraint the solver plans around.
     """
     return _plan(model, mesh, example_inputs, example_kwargs, PlanOptions.of(options))[0]
 
@@ -67,6 +69,7 @@ def _plan(
         raise UsageError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
     preset = load_preset(mesh.device)
     traced = trace(model, example_inputs, example_kwargs)
+    hinted = apply_hints(options.hints, traced, mesh, options)  # checked before solving
     batch = _batch_size(traced)
     global_batch = options.global_batch or batch
     if global_batch % batch:
@@ -99,8 +102,7 @@ def _plan(
         options.microbatches,
         options.chunks,
     )
-    result = plan_pipeline(traced, pipeline)
-    return result, traced
+    return hinted.plan(traced, pipeline), traced
 
 
 def _batch_size(traced: TracedModel) -> int:
@@ -128,12 +130,24 @@ class LazyCompiled(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.compiled is None:
-            compiled = _build(self._model, self._mesh, args, kwargs, self._options)
-            object.__setattr__(self, "compiled", compiled)
-            object.__setattr__(self, "_model", None)
-            for registry in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
-                object.__setattr__(self, registry, getattr(compiled, registry))
+            self._build_from(args, kwargs)
         return self.compiled(*args, **kwargs)
+
+    def train_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        """``CompiledModel.train_step``; the first call plans from ``inputs`` (the global
+        batch)."""
+        if self.compiled is None:
+            args = tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
+            self._build_from(args, {})
+        assert self.compiled is not None
+        return self.compiled.train_step(inputs, targets)
+
+    def _build_from(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        compiled = _build(self._model, self._mesh, args, kwargs, self._options)
+        object.__setattr__(self, "compiled", compiled)
+        object.__setattr__(self, "_model", None)
+        for registry in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+            object.__setattr__(self, registry, getattr(compiled, registry))
 
     def _built(self, what: str) -> CompiledModel:
         if self.compiled is None:
@@ -176,14 +190,25 @@ def compile(
     plan: Plan | str | Path | None = None,
     inputs: str = "global",
     outputs: str = "whole",
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
     **options: Any,
 ) -> nn.Module:
     """Shard ``model`` over ``mesh`` on every rank of a running job.
 
     With ``example_inputs`` it is built now; otherwise on the first call. ``options`` go to
-    ``autopar.plan`` (memory_limit, optimizer, precision, force, global_batch, time_limit);
-    ``precision`` also sets how the model runs (``autopar.runtime.precision``:
-    ``"bf16_mixed"`` autocasts the forward to bf16 and keeps fp32 parameters).
+    ``autopar.plan`` (memory_limit, optimizer, precision, force, global_batch, time_limit,
+    stages, schedule, microbatches, chunks); ``precision`` also sets how the model runs
+    (``autopar.runtime.precision``: ``"bf16_mixed"`` autocasts the forward to bf16 and
+    keeps fp32 parameters).
+
+    ``loss_fn(outputs, targets)``, the loss as the user computes it on one device (a mean
+    over the batch), enables ``compiled.train_step(inputs, targets)``: one optimizer step's
+    forward and backward over the global batch, in the plan's microbatches, through a
+    pipeline when the plan has one. Without ``loss_fn`` the model is planned for
+    ``forward`` alone: no pipeline stages, the example batch as the microbatch (unless
+    ``stages`` or ``microbatches`` say otherwise). With it, the planner may choose a
+    pipeline (stages, schedule, microbatches); the example inputs are then traced again
+    at the chosen microbatch size.
 
     ``inputs="global"`` (default): every rank passes the whole batch. ``inputs="local"``:
     each rank passes only its slice (``compiled.input_slices()``); planning then needs
@@ -207,7 +232,9 @@ def compile(
             "inputs='local' needs example_inputs= shaped like the whole (global) batch: "
             "each rank's own slice does not say how large the batch is"
         )
-    options = dict(options, plan=plan, inputs=inputs, outputs=outputs)
+    if loss_fn is not None and not callable(loss_fn):
+        raise UsageError(f"loss_fn must be callable (outputs, targets) -> loss, not {loss_fn!r}")
+    options = dict(options, plan=plan, inputs=inputs, outputs=outputs, loss_fn=loss_fn)
     if example_inputs is not None:
         return _build(model, mesh, tuple(example_inputs), {}, options)
     return LazyCompiled(model, mesh, options)
@@ -221,19 +248,32 @@ def _build(
     options: dict[str, Any],
 ) -> CompiledModel:
     from autopar.runtime.compiled import CompiledModel
+    from autopar.runtime.pipeline import pipeline_mesh, schedule_to_run
 
     device_mesh = mesh.init()
     cuda = mesh.runtime_device_type() == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     options = dict(options)
     given = options.pop("plan", None)
-    # The pipeline runtime (stage modules on torch.distributed.pipelining) is not built yet:
-    # a compiled model is planned without pipeline stages until it is.
-    options.setdefault("stages", 1)
     inputs, outputs = options.pop("inputs", "global"), options.pop("outputs", "whole")
+    loss_fn = options.pop("loss_fn", None)
+    batch = example_batch(args)
+    if loss_fn is None:
+        # planned for forward: the whole example batch in one program, no pipeline
+        if options.get("stages") not in (None, 1):
+            raise UsageError(
+                f"stages={options['stages']}: a pipeline runs through "
+                "compiled.train_step, which needs the loss: pass loss_fn= to compile"
+            )
+        options.setdefault("stages", 1)
+        if batch:
+            options.setdefault(
+                "microbatches", max((options.get("global_batch") or batch) // batch, 1)
+            )
     if "precision" in options:
         run_precision(options["precision"], device.type)  # before planning: fail fast
     example_kwargs = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+    traced: TracedModel | None = None
     if given is not None:
         chosen = given if isinstance(given, Plan) else load_plan(given)
         wanted = options.get("precision", chosen.precision)
@@ -242,11 +282,51 @@ def _build(
                 f"the plan was made for precision {chosen.precision!r}, not {wanted!r}; "
                 "plan again with that precision, or drop precision="
             )
-        traced = trace(model, args, example_kwargs)
+        if chosen.parallelism.pp > 1 and loss_fn is None:
+            raise UsageError(
+                "the plan has pipeline stages, which run through compiled.train_step: "
+                "pass loss_fn= to compile"
+            )
     else:
         chosen, traced = _plan_on_rank0(model, mesh, args, example_kwargs, options)
+    schedule_to_run(chosen.parallelism)  # refuse what torch cannot run, before it starts
+    if traced is None or (batch and chosen.microbatch_size != batch):
+        # the program runs one microbatch: trace at its size (the plan was costed there)
+        traced = trace(
+            model, microbatch_inputs(args, batch, chosen.microbatch_size), example_kwargs
+        )
+    if chosen.parallelism.pp > 1:
+        device_mesh = pipeline_mesh(chosen, device.type)
     _seed_alike(device)
-    return CompiledModel(model, traced, chosen, device_mesh, device, inputs=inputs, outputs=outputs)
+    return CompiledModel(
+        model,
+        traced,
+        chosen,
+        device_mesh,
+        device,
+        inputs=inputs,
+        outputs=outputs,
+        loss_fn=loss_fn,
+    )
+
+
+def example_batch(args: tuple[Any, ...]) -> int:
+    """The batch of the example inputs (dim 0 of the first tensor that has dims), or 0."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and arg.dim() > 0:
+            return int(arg.shape[0])
+    return 0
+
+
+def microbatch_inputs(args: tuple[Any, ...], batch: int, size: int) -> tuple[Any, ...]:
+    """The first microbatch of ``size`` of every input whose dim 0 is the ``batch``: what
+    the program of a plan with that microbatch size is traced on."""
+    if not batch or size == batch:
+        return args
+    return tuple(
+        a[:size] if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch else a
+        for a in args
+    )
 
 
 def _plan_on_rank0(
@@ -255,18 +335,22 @@ def _plan_on_rank0(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     options: dict[str, Any],
-) -> tuple[Plan, TracedModel]:
+) -> tuple[Plan, TracedModel | None]:
     """Rank 0 plans; every rank receives the same plan (a solver's time limit could make
-    ranks disagree) and traces for its own lowering."""
+    ranks disagree). Rank 0's trace comes back with it; the other ranks trace for their
+    own lowering once they know the microbatch size (None here)."""
     payload: list[Any] = [None]
     traced: TracedModel | None = None
     if dist.get_rank() == 0:
-        made, traced = _plan(model, mesh, args, kwargs, PlanOptions.of(options))
-        payload[0] = made.model_dump(mode="json")
+        try:
+            made, traced = _plan(model, mesh, args, kwargs, PlanOptions.of(options))
+            payload[0] = made.model_dump(mode="json")
+        except AutoparError as error:  # every rank raises it, none waits for a plan
+            payload[0] = error
     dist.broadcast_object_list(payload, src=0)
+    if isinstance(payload[0], AutoparError):
+        raise payload[0]
     chosen = plan_from_dict(payload[0], "<plan from rank 0>")
-    if traced is None:
-        traced = trace(model, args, kwargs)
     return chosen, traced
 
 

@@ -41,6 +41,11 @@ class PlanOptions(BaseModel):
     )
     chunks: int | None = Field(None, ge=1, description="Interleaved stages per device.")
     name: str | None = Field(None, description="The model's name in the plan.")
+    hints: Any = Field(
+        None,
+        description="A hint file (path), its parsed mapping or plans.Hints: constraints "
+        "the solver plans around (docs/hints.md).",
+    )
 
     @classmethod
     def of(cls, options: dict[str, Any]) -> PlanOptions:

@@ -68,7 +68,7 @@ BAN_KINDS: dict[str, str] = {
 """The words ``ban`` takes, each a predicate on one node's strategy (``passes.hints``)."""
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
-SpecEntry = str | None | list[str]
+SpecEntry = str | None | tuple[str, ...]
 # where a key sits in the file: a path of mapping keys and sequence indices
 KeyPath = tuple[str | int, ...]
 
@@ -80,13 +80,13 @@ class HintConflictError(InfeasiblePlanError):
 def _spec_entry(entry: Any) -> SpecEntry:
     axes = [entry] if isinstance(entry, str) else entry
     if entry is not None and (
-        not isinstance(axes, list) or any(not isinstance(a, str) or not a for a in axes)
+        not isinstance(axes, list | tuple) or any(not isinstance(a, str) or not a for a in axes)
     ):
         raise ValueError(
             f"{entry!r} is not a spec entry; write a mesh axis name, null, or a list of "
             "axis names for each tensor dim"
         )
-    return entry
+    return tuple(entry) if isinstance(entry, list) else entry
 
 
 def _spec(value: Any) -> Any:

@@ -8,8 +8,10 @@ code  meaning
 ====  =====================================================
 0     success
 1     internal error (a bug in autopar: please report it)
-2     usage error: a bad argument, MODEL string, mesh, file
-3     infeasible: no plan fits the memory limit or hints
+2     usage error: a bad argument, MODEL string, mesh, plan or hint
+      file (a hint error names the file, the line and the hint)
+3     infeasible: no plan fits the memory limit or the hints
+      (conflicting hints are named with their file and line)
 4     untraceable model: torch.export could not trace it
 ====  =====================================================
 """
@@ -21,7 +23,7 @@ import sys
 from collections.abc import Sequence
 
 from autopar._version import __version__
-from autopar.cli import calibrate, codegen, demo, devices, plan
+from autopar.cli import calibrate, codegen, demo, devices, diff, explain, plan, show
 from plans.errors import (
     AutoparError,
     HintError,
@@ -38,7 +40,7 @@ EXIT_USAGE = 2
 EXIT_INFEASIBLE = 3
 EXIT_UNTRACEABLE = 4
 
-SUBCOMMANDS = (demo, plan, codegen, devices, calibrate)
+SUBCOMMANDS = (demo, plan, show, explain, diff, codegen, devices, calibrate)
 
 
 def exit_code(error: AutoparError) -> int:
@@ -58,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Plan and run a PyTorch model across a device mesh: data, tensor, "
         "sequence, pipeline and expert parallelism, ZeRO/FSDP and recomputation, chosen by "
         "an ILP over a cost model.",
-        epilog="Exit codes: 0 success, 2 usage error, 3 infeasible plan, 4 untraceable model.",
+        epilog="Exit codes: 0 success, 2 usage error (bad argument, model, mesh, plan or hint "
+        "file), 3 infeasible plan (memory limit or conflicting hints), 4 untraceable model. "
+        "See docs/cli.md.",
     )
     parser.add_argument("--version", action="version", version=f"autopar {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -1,7 +1,10 @@
 """``autopar plan MODEL --mesh 8x8 --device h100-sxm``: plan a model offline and print it.
 
 The model is built on the ``meta`` device (no weights), traced, and planned; the plan is
-printed as a table (default), JSON or YAML, and written with ``-o``.
+printed as tables (default), JSON (stable: sorted keys, the plan schema) or YAML, written
+with ``-o``, steered with ``--hints FILE`` (``docs/hints.md``) and drawn with ``--report
+plan.html`` (a self-contained page and ``plan.png`` beside it). While it traces and solves,
+a status line runs on stderr when stderr is a terminal.
 """
 
 from __future__ import annotations
@@ -12,10 +15,11 @@ from typing import Any
 
 import autopar
 from autopar.cli.mesh_args import add_mesh_arguments, mesh_from_args
-from autopar.cli.render import console, plan_tables
+from autopar.cli.render import console, plan_tables, working
 from autopar.force import STYLES
 from autopar.model_source import build_model, parse_config
 from plans.io import dump_plan, save_plan
+from plans.plan import Plan
 
 
 def add_model_arguments(parser: Any) -> None:
@@ -60,36 +64,68 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--force", choices=STYLES, help="impose a parallel style")
     parser.add_argument("--time-limit", type=float, default=60.0, help="solver seconds")
-    parser.add_argument("--format", choices=["table", "json", "yaml"], default="table")
+    parser.add_argument(
+        "--hints", type=Path, metavar="FILE", help="a hint file (YAML; see docs/hints.md)"
+    )
+    add_output_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def add_output_arguments(parser: Any) -> None:
+    """--format, -o and --report, shared by ``plan`` and ``show``."""
+    parser.add_argument(
+        "--format",
+        choices=["table", "json", "yaml"],
+        default="table",
+        help="tables for people (default), or the plan as JSON/YAML for scripts",
+    )
     parser.add_argument(
         "-o", "--output", type=Path, help="write the plan to this file (.json or .yaml)"
     )
-    parser.set_defaults(run=run)
+    parser.add_argument(
+        "--report",
+        type=Path,
+        metavar="FILE",
+        help="write a self-contained HTML report (pipeline timeline, memory, layouts) and a "
+        "PNG beside it",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     mesh = mesh_from_args(args)
-    model, inputs, name = build_model(args.model, parse_config(args.config), meta=True)
-    plan = autopar.plan(
-        model,
-        mesh,
-        inputs,
-        global_batch=args.global_batch,
-        memory_limit=args.memory,
-        optimizer=args.optimizer,
-        precision=args.precision,
-        force=args.force,
-        time_limit=args.time_limit,
-        name=name,
-    )
+    options: dict[str, Any] = {
+        "global_batch": args.global_batch,
+        "memory_limit": args.memory,
+        "optimizer": args.optimizer,
+        "precision": args.precision,
+        "force": args.force,
+        "time_limit": args.time_limit,
+    }
+    with working(f"tracing and planning {args.model} on {mesh.describe()}"):
+        model, inputs, name = build_model(args.model, parse_config(args.config), meta=True)
+        plan = autopar.plan(model, mesh, inputs, name=name, hints=args.hints, **options)
+    return print_plan(plan, args)
+
+
+def print_plan(plan: Plan, args: argparse.Namespace) -> int:
+    """Print ``plan`` in ``--format``; write ``-o`` and ``--report``; say what was written
+    on stderr (stdout stays the plan alone, for scripts)."""
     if args.output:
         save_plan(plan, args.output)
+    if args.report:
+        with working(f"drawing the report {args.report}"):
+            from autopar.report.html import write_report
+
+            page, picture = write_report(plan, args.report)
     if args.format == "table":
         out = console()
         for table in plan_tables(plan):
             out.print(table)
-        if args.output:
-            out.print(f"plan written to {args.output}")
     else:
         print(dump_plan(plan, args.format), end="")
+    notes = console(stderr=True)
+    if args.output:
+        notes.print(f"plan written to {args.output}")
+    if args.report:
+        notes.print(f"report written to {page} and {picture}")
     return 0

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from autopar.report.views import layout_rows, memory_bars, plan_mesh_axes, ranges, time_rows
 from passes.trace import GraphSummary
-from plans.placement import format_spec
 from plans.plan import Plan
 from plans.units import format_bytes, format_count, format_flops, format_seconds
 
@@ -24,6 +26,17 @@ def console(stderr: bool = False) -> Console:
         no_color=not stream.isatty(),
         width=None if stream.isatty() else 100,
     )
+
+
+@contextlib.contextmanager
+def working(message: str) -> Iterator[None]:
+    """A status line with a spinner on stderr while something slow runs (tracing and solving
+    a big model take minutes), only when stderr is a terminal: logs and pipes stay clean."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    with console(stderr=True).status(f"{message} ..."):
+        yield
 
 
 def summary_table(summary: GraphSummary, title: str) -> Table:
@@ -60,7 +73,24 @@ def ops_table(summary: GraphSummary, top: int = 12) -> Table:
 
 
 def plan_tables(plan: Plan) -> list[Table]:
-    """The parallelism summary, the estimate, and the layouts of the first layer."""
+    """Everything ``autopar plan`` and ``autopar show`` print: the summary, where the step
+    time goes, memory per device (per stage), the pipeline stages, the layouts per layer
+    (identical layers folded into one row) and the warnings."""
+    tables = [summary_of(plan), time_table(plan), memory_table(plan)]
+    if plan.stages:
+        tables.append(stages_table(plan))
+    tables.append(layouts_table(plan))
+    if plan.warnings:
+        notes = Table(title="warnings", show_header=False, title_justify="left")
+        notes.add_column("warning")
+        for warning in plan.warnings:
+            notes.add_row(escape(warning))
+        tables.append(notes)
+    return tables
+
+
+def summary_of(plan: Plan) -> Table:
+    """Parallelism, batch, step time, MFU, memory and the solver's report, one row each."""
     summary = Table(
         title=f"{plan.model} on {plan.mesh.describe()}", show_header=False, title_justify="left"
     )
@@ -70,6 +100,11 @@ def plan_tables(plan: Plan) -> list[Table]:
     summary.add_row(
         "parallelism", f"dp={p.dp} tp={p.tp} sp={p.sp} pp={p.pp} ep={p.ep} zero={p.zero}"
     )
+    if p.pp > 1:
+        chunks = f", {p.chunks} chunks per device" if p.chunks > 1 else ""
+        summary.add_row(
+            "pipeline", f"{p.pp} stages, {p.schedule}, {p.microbatches} microbatches{chunks}"
+        )
     summary.add_row(
         "batch", f"{plan.global_batch} per step = {p.microbatches} x {plan.microbatch_size}"
     )
@@ -95,29 +130,87 @@ def plan_tables(plan: Plan) -> list[Table]:
         f"{s.backend} {s.status} in {s.time_s:.2f} s, {s.variables} "
         f"variables, {s.constraints} constraints",
     )
-    layouts = Table(
-        title="parameter layouts (layer 0 stands for every identical layer)", title_justify="left"
-    )
-    layouts.add_column("parameter")
-    layouts.add_column("shape")
-    layouts.add_column("layout")
-    layouts.add_column("optimizer state")
-    axes = plan.mesh.axis_names
-    for name, param in plan.params.items():
-        parts = name.split(".")
-        if any(part.isdigit() and part != "0" for part in parts):
-            continue
-        layouts.add_row(
-            name,
-            "x".join(map(str, param.shape)),
-            escape(format_spec(param.param, axes, len(param.shape))),
-            escape(format_spec(param.optimizer, axes, len(param.shape))),
+    return summary
+
+
+def time_table(plan: Plan) -> Table:
+    """Where one step's time goes, each part with its share."""
+    table = Table(title="step time", title_justify="left")
+    table.add_column("part")
+    table.add_column("time", justify="right")
+    table.add_column("share", justify="right")
+    step = plan.estimate.step_time_s or 1.0
+    for name, value in time_rows(plan):
+        table.add_row(name, format_seconds(value), f"{100 * value / step:.0f}%")
+    table.add_row("step", format_seconds(plan.estimate.step_time_s), "100%", style="bold")
+    hidden = plan.estimate.comm_s - plan.estimate.exposed_comm_s
+    if hidden > 0:
+        table.add_row("(communication hidden under compute)", format_seconds(hidden), "")
+    return table
+
+
+def memory_table(plan: Plan) -> Table:
+    """Memory per device at the peak of a step, per pipeline stage, against the limit."""
+    table = Table(title="memory per device", title_justify="left")
+    for column in ("", "params", "grads", "optimizer", "activations", "total", "of limit"):
+        table.add_column(column, justify="right" if column else "left")
+    limit = plan.memory_limit_bytes
+    for bar in memory_bars(plan):
+        share = f"{100 * bar.total / limit:.0f}%" if limit else ""
+        table.add_row(
+            bar.label,
+            format_bytes(bar.params),
+            format_bytes(bar.grads),
+            format_bytes(bar.optimizer),
+            format_bytes(bar.activations),
+            format_bytes(bar.total),
+            share,
         )
-    tables = [summary, layouts]
-    if plan.warnings:
-        notes = Table(title="warnings", show_header=False, title_justify="left")
-        notes.add_column("warning")
-        for warning in plan.warnings:
-            notes.add_row(escape(warning))
-        tables.append(notes)
-    return tables
+    return table
+
+
+def stages_table(plan: Plan) -> Table:
+    """The pipeline stages: layers, devices and time per microbatch."""
+    table = Table(title="pipeline stages", title_justify="left")
+    for column in ("stage", "layers", "ranks", "forward", "backward"):
+        table.add_column(column, justify="left" if column in ("layers", "ranks") else "right")
+    times = {s.stage: s for s in plan.estimate.stages}
+    physical = plan.parallelism.pp
+    for stage in plan.stages:
+        first, last = stage.layers
+        estimate = times.get(stage.index % physical)
+        chunks = max(plan.parallelism.chunks, 1)
+        table.add_row(
+            str(stage.index),
+            f"{first}-{last}" if last > first else str(first),
+            ranges(list(stage.ranks)),
+            format_seconds(estimate.forward_s / chunks) if estimate else "",
+            format_seconds(estimate.backward_s / chunks) if estimate else "",
+        )
+    return table
+
+
+def layouts_table(plan: Plan) -> Table:
+    """Parameter layouts in the JAX spelling, identical layers folded into one row."""
+    axes = plan_mesh_axes(plan)
+    on = f" on {', '.join(axes)}"
+    table = Table(title=f"parameter layouts{on}", title_justify="left")
+    table.add_column("parameter")
+    table.add_column("layers")
+    table.add_column("shape")
+    table.add_column("layout")
+    table.add_column("optimizer state")
+    if plan.stages:
+        table.add_column("stage")
+    for row in layout_rows(plan):
+        cells = [
+            escape(row.name),
+            row.layers,
+            "x".join(map(str, row.shape)),
+            escape(row.spec("param", axes)),
+            escape(row.spec("optimizer", axes)),
+        ]
+        if plan.stages:
+            cells.append(row.stage)
+        table.add_row(*cells)
+    return table

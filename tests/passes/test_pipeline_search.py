@@ -19,9 +19,16 @@ def test_the_bubble_of_the_estimate_is_the_published_fraction(schedule, chunks):
     """Narayanan et al. 2021: (p - 1) / m of the ideal time, (p - 1) / (v m) interleaved.
     Four identical layers on two stages balance exactly (an MLP: nothing before or after)."""
     model, inputs = four_layers()
-    plan = autopar.plan(model, autopar.Mesh((2,), device="h100-sxm"), inputs,
-                        global_batch=256, stages=2, schedule=schedule, microbatches=8,
-                        chunks=chunks)
+    plan = autopar.plan(
+        model,
+        autopar.Mesh((2,), device="h100-sxm"),
+        inputs,
+        global_batch=256,
+        stages=2,
+        schedule=schedule,
+        microbatches=8,
+        chunks=chunks,
+    )
     p, m, v = plan.parallelism.pp, plan.parallelism.microbatches, plan.parallelism.chunks
     assert v == chunks
     times = [s.forward_s + s.backward_s for s in plan.estimate.stages]
@@ -33,13 +40,20 @@ def test_the_bubble_of_the_estimate_is_the_published_fraction(schedule, chunks):
     spread = (max(times) - min(times)) / mean
     assert spread < 0.05
     assert plan.estimate.bubble_s / (m * mean) == pytest.approx(
-        bubble_fraction(p, m, v), rel=spread)
+        bubble_fraction(p, m, v), rel=spread
+    )
 
 
 def test_more_microbatches_are_chosen_when_they_lower_the_step_time():
     model, inputs = four_layers()
-    plan = autopar.plan(model, autopar.Mesh((2,), device="h100-sxm"), inputs,
-                        global_batch=256, stages=2, schedule="1f1b")
+    plan = autopar.plan(
+        model,
+        autopar.Mesh((2,), device="h100-sxm"),
+        inputs,
+        global_batch=256,
+        stages=2,
+        schedule="1f1b",
+    )
     fewest = [a for a in plan.alternatives if a.parallelism.microbatches == 4]
     assert plan.parallelism.microbatches > 4  # 4 is the fewest: the example's batch of 64
     assert fewest and fewest[0].step_time_s > plan.estimate.step_time_s
@@ -58,8 +72,13 @@ def test_pipeline_across_nodes_when_sharding_across_them_costs_more():
     """13B on 16 nodes: FSDP or tensor parallelism across nodes would put weights or every
     layer's activations on InfiniBand; stages only send activations at the cuts."""
     model, inputs = build("gpt3-13b", device="meta", batch_size=8)
-    plan = autopar.plan(model, autopar.Mesh.cluster(16, 8, device="h100-sxm"), inputs,
-                        global_batch=512, precision="bf16_mixed")
+    plan = autopar.plan(
+        model,
+        autopar.Mesh.cluster(16, 8, device="h100-sxm"),
+        inputs,
+        global_batch=512,
+        precision="bf16_mixed",
+    )
     assert plan.parallelism.pp > 1
     assert plan.stage_mesh is not None and plan.stage_mesh.shape[1] == 8
     assert len(plan.stages) == plan.parallelism.pp * plan.parallelism.chunks
@@ -82,5 +101,6 @@ def test_pipeline_across_nodes_when_sharding_across_them_costs_more():
 def test_bad_pipeline_options_are_refused_with_a_reason(options, message):
     model, inputs = four_layers(batch=16)
     with pytest.raises(UsageError, match=message):
-        autopar.plan(model, autopar.Mesh((4,), device="h100-sxm"), inputs, global_batch=64,
-                     **options)
+        autopar.plan(
+            model, autopar.Mesh((4,), device="h100-sxm"), inputs, global_batch=64, **options
+        )

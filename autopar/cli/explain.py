@@ -1,0 +1,150 @@
+"""``autopar explain PLAN TARGET``: why the plan gives a parameter or an op its layout.
+
+TARGET is a parameter name (``layers.0.attn.q_proj.weight``), an op's node name from the
+plan (``linear_3``) or a module path (its last op). The plan does not store the model, so
+the model is built and traced again (on ``meta``): ``--model`` defaults to the plan's model
+name, which works for presets; pass the MODEL and ``--config`` given to ``autopar plan``
+otherwise, and its ``--hints`` to see which hint decided. Each alternative layout is costed
+with every other decision as planned (``autopar.report.explain``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rich.markup import escape
+from rich.table import Table
+
+from autopar.cli.render import console, working
+from autopar.model_source import build_model, parse_config
+from autopar.report.explain import Explanation, explain
+from passes.hints import resolve_hints
+from passes.trace import trace
+from plans.errors import UsageError
+from plans.hints import load_hints
+from plans.io import load_plan
+from plans.units import format_bytes, format_seconds
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "explain",
+        help="why a parameter or op has its layout: its cost next to the alternatives'",
+        description="Cost every layout TARGET could take, with the rest of PLAN as it is, and "
+        "say what decided: a hint, the memory limit or the cost.",
+    )
+    parser.add_argument("plan", metavar="PLAN", type=Path, help="a plan file")
+    parser.add_argument(
+        "target", metavar="TARGET", help="a parameter name, an op (linear_3) or a module path"
+    )
+    parser.add_argument(
+        "--model",
+        help="the MODEL the plan was made for (default: the plan's model name, for presets)",
+    )
+    parser.add_argument(
+        "--config", nargs="*", default=[], metavar="KEY=VALUE", help="the model's --config"
+    )
+    parser.add_argument("--hints", type=Path, metavar="FILE", help="the plan's hint file")
+    parser.add_argument(
+        "--all", action="store_true", help="every alternative (default: the best 10)"
+    )
+    parser.add_argument("--format", choices=["table", "json"], default="table")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = load_plan(args.plan)
+    source = args.model or plan.model
+    with working(f"tracing {source} to explain {args.target}"):
+        try:
+            model, inputs, _ = build_model(source, parse_config(args.config), meta=True)
+        except UsageError as error:
+            if args.model:
+                raise
+            raise UsageError(
+                f"the plan's model {plan.model!r} is not a MODEL autopar can build ({error}); "
+                "pass --model (and --config) as given to autopar plan"
+            ) from None
+        traced = trace(model, inputs)
+        hints = resolve_hints(load_hints(args.hints), traced, plan.mesh) if args.hints else None
+        result = explain(plan, traced, args.target, hints)
+    if args.format == "json":
+        data = asdict(result)
+        data["mesh"] = result.mesh.describe()
+        for entry, option in zip(data["options"], result.options, strict=True):
+            entry["time_s"] = option.time_s  # a property: asdict leaves it out
+        print(json.dumps(data, indent=2, sort_keys=True))
+        return 0
+    out = console()
+    out.print(f"[bold]{escape(result.what)}[/bold] on {result.mesh.describe()}")
+    out.print(f"decided by {escape(result.decided_by)}")
+    for note in result.notes:
+        out.print(f"note: {escape(note)}")
+    forbidding = sorted({h for option in result.options for h in option.forbidden_by})
+    if forbidding:
+        out.print("hints that forbid alternatives:")
+        for hint in forbidding:
+            out.print(f"  {escape(hint)}")
+    out.print(options_table(result, None if args.all else 10))
+    return 0
+
+
+def options_table(result: Explanation, top: int | None) -> Table:
+    """The chosen layout first, then the alternatives by time, with why each lost."""
+    chosen = result.options[0]
+    table = Table(
+        title="layouts it could take (everything else as planned; per step, per device)",
+        title_justify="left",
+    )
+    for column in (
+        "",
+        "layout",
+        "vs plan",
+        "compute",
+        "resharding",
+        "overlappable comm",
+        "memory",
+        "why not",
+    ):
+        table.add_column(
+            column,
+            justify="right"
+            if column in ("vs plan", "compute", "resharding", "overlappable comm", "memory")
+            else "left",
+        )
+    shown = result.options if top is None else result.options[:top]
+    for option in shown:
+        delta = option.time_s - chosen.time_s
+        if option.chosen:
+            why, mark = "chosen", "*"
+        elif option.forbidden_by:
+            # the place of each hint (file:line); the hints are listed above the table
+            why, mark = "hint " + ", ".join(_place(h) for h in option.forbidden_by), ""
+        elif option.over_memory:
+            why, mark = "over the memory limit", ""
+        else:
+            why, mark = ("slower" if delta > 0 else "no faster"), ""
+        table.add_row(
+            mark,
+            escape(option.layout),
+            "" if option.chosen else ("+" if delta >= 0 else "-") + format_seconds(abs(delta)),
+            format_seconds(option.compute_s),
+            format_seconds(option.reshard_s),
+            format_seconds(option.overlap_s),
+            format_bytes(option.memory_bytes),
+            escape(why),
+        )
+    if top is not None and len(result.options) > top:
+        table.caption = f"{len(result.options) - top} more: --all"
+    return table
+
+
+def _place(hint: str) -> str:
+    """``line 11`` for ``hints.yaml:11: shard ...`` (the hints are listed above the table)."""
+    where = hint.split(": ", 1)[0]
+    line = where.rsplit(":", 1)[-1]
+    return f"line {line}" if line.isdigit() else where

@@ -1,0 +1,86 @@
+"""Hints for ``autopar.plan`` and ``autopar.compile``: the one function the API calls.
+
+``apply_hints(hints, traced, mesh, options)`` reads the hint file, checks every hint against
+the traced model and the mesh (``passes.hints``) and against the options given next to it,
+and returns a ``HintedPlanner`` whose ``plan(traced, request)`` runs the pipeline search
+with the hints as constraints, naming the conflicting hints when no plan satisfies them.
+With ``hints=None`` it is ``plan_pipeline`` itself, so the API calls it unconditionally::
+
+    hinted = apply_hints(options.hints, traced, mesh, options)    # after trace()
+    ...                                                            # request built as before
+    result = hinted.plan(traced, pipeline)                         # not plan_pipeline(...)
+
+An option and a hint that set the same thing (``memory_limit=``, ``stages=``, ...) must
+agree; a hint file never silently loses to an argument, nor the other way round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autopar.options import PlanOptions
+from passes.hints import ResolvedHints, resolve_hints
+from passes.pipeline.search import PipelineRequest, plan_pipeline
+from passes.trace import TracedModel
+from plans.errors import HintError
+from plans.hints import Hints, as_hints
+from plans.mesh import MeshSpec
+from plans.plan import Plan
+from plans.units import parse_bytes
+
+HintsLike = str | Path | Mapping[str, Any] | Hints
+
+
+@dataclass(frozen=True)
+class HintedPlanner:
+    """The pipeline search with the hints applied (``resolved`` is None without hints)."""
+
+    resolved: ResolvedHints | None
+
+    def plan(self, traced: TracedModel, request: PipelineRequest) -> Plan:
+        if self.resolved is None:
+            return plan_pipeline(traced, request)
+        return self.resolved.plan(traced, request)
+
+
+def apply_hints(
+    hints: HintsLike | None, traced: TracedModel, mesh: MeshSpec, options: PlanOptions
+) -> HintedPlanner:
+    """Check ``hints`` against the model, the mesh and ``options``; ``HintError`` names the
+    file, line and hint of anything that does not fit."""
+    if hints is None:
+        return HintedPlanner(None)
+    loaded = as_hints(hints)
+    resolved = resolve_hints(loaded, traced, mesh)
+    _check_options(loaded, options)
+    return HintedPlanner(resolved)
+
+
+def _check_options(hints: Hints, options: PlanOptions) -> None:
+    """An option and a hint for the same thing must agree."""
+    if hints.memory_limit is not None and options.memory_limit is not None:
+        given = parse_bytes(options.memory_limit)
+        if given != hints.memory_limit_bytes:
+            raise HintError(
+                f"{hints.where('memory_limit')}: memory_limit {hints.memory_limit}, but "
+                f"memory_limit={options.memory_limit!r} was passed too; keep one of them"
+            )
+    pipeline = hints.pipeline
+    if pipeline is None:
+        return
+    pairs = (
+        ("stages", pipeline.stage_count, options.stages),
+        ("schedule", pipeline.schedule, options.schedule),
+        ("microbatches", pipeline.microbatches, options.microbatches),
+        ("chunks", pipeline.chunks, options.chunks),
+    )
+    for name, hinted, given in pairs:
+        if hinted is not None and given is not None and hinted != given:
+            key = "cuts" if name == "stages" and pipeline.stages is None else name
+            raise HintError(
+                f"{hints.where('pipeline', key)}: pipeline {name} {hinted}, but {name}="
+                f"{given!r} was passed too; keep one of them"
+            )

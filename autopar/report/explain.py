@@ -1,0 +1,317 @@
+"""Why a plan gives a parameter or an op its layout: ``autopar explain PLAN TARGET``.
+
+The plan records what was chosen, not what it beat, so the model is traced again (on
+``meta``) and the solver's problem is rebuilt on the mesh the plan was solved on (one
+pipeline stage's; a grouping of it for meshes of more than two axes). Every decision is set
+to the plan's choice; then the target's decision is tried at each of its choices with the
+rest held as planned. For each alternative: its compute, resharding and overlappable
+communication (gradient sync, parameter gathers, counted in full: the solver may hide some
+behind compute) per step, its memory per device, and why it lost: a hint or forced style
+that forbids it, the memory limit, or its cost. Recomputation is left out of the figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cost_model.collectives import MeshCost
+from cost_model.hardware import load_preset
+from passes.costs import CostModel
+from passes.decisions import Decisions, group_decisions
+from passes.hints import ResolvedHints, forbidden_choices, hint_rules
+from passes.layer_sharing import layer_representatives
+from passes.plan_build import expand_layout
+from passes.problem import ProblemParts, build_problem
+from passes.solve import group_axes, grouped_mesh
+from passes.strategies.graph import graph_choices
+from passes.trace import TracedModel
+from plans.errors import PlanFileError, UsageError
+from plans.hints import closest_names
+from plans.mesh import MeshSpec
+from plans.placement import Layout, format_spec
+from plans.plan import Plan
+
+
+@dataclass
+class Option:
+    """One choice of the target's decision, with everything else as planned."""
+
+    layout: str  # the target's layout (a parameter) or strategy (an op), user's axes
+    compute_s: float
+    reshard_s: float
+    overlap_s: float
+    memory_bytes: float
+    chosen: bool = False
+    forbidden_by: list[str] = field(default_factory=list)
+    over_memory: bool = False
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.reshard_s + self.overlap_s
+
+
+@dataclass
+class Explanation:
+    """What ``autopar explain`` prints about one target."""
+
+    target: str
+    what: str  # "parameter layers.0.attn.q_proj.weight (64x64)" or "op linear_3 (...)"
+    mesh: MeshSpec
+    options: list[Option]  # the chosen one first, then by time
+    decided_by: str
+    notes: list[str]
+
+
+def explain(
+    plan: Plan, traced: TracedModel, target: str, hints: ResolvedHints | None = None
+) -> Explanation:
+    """Explain ``target`` (a parameter name, an op's node name or a module path)."""
+    mesh = plan.stage_mesh or plan.mesh
+    groups = _grouping(plan, mesh)
+    solved_mesh = grouped_mesh(mesh, groups)
+    choices, _ = graph_choices(traced.graph, solved_mesh.shape)
+    representatives = layer_representatives(traced.graph)
+    tied = {n: info.nodes[0] for info in traced.params.values() for n in info.nodes[1:]}
+    decisions = group_decisions(choices, representatives, tied)
+    node, what = _find_target(plan, traced, target)
+    chosen = _plan_choices(plan, decisions, groups, mesh)
+    microbatches = max(plan.global_batch // _traced_batch(traced), 1)
+    cost = CostModel(
+        MeshCost(solved_mesh, load_preset(mesh.device)),
+        plan.optimizer,
+        plan.precision,
+        _zero_level(plan),
+    )
+    limit = (
+        plan.memory_limit_bytes * max(plan.parallelism.pp, 1) if plan.memory_limit_bytes else None
+    )
+    parts = build_problem(decisions, cost, representatives, limit, None, microbatches)
+    decision = decisions.bindings[node].decision
+    forbidders = _forbidders(plan, decisions, solved_mesh, hints, decision)
+    memory_else = sum(parts.problem.memory[d][k] for d, k in chosen.items() if d != decision)
+    options: dict[str, Option] = {}
+    for k in range(len(decisions.decisions[decision].strategies)):
+        option = _option(parts, decisions, decision, node, k, chosen, microbatches, groups, mesh)
+        option.memory_bytes += memory_else
+        option.chosen = k == chosen[decision]
+        option.forbidden_by = sorted(forbidders.get(k, []))
+        option.over_memory = limit is not None and option.memory_bytes > limit * 1.000001
+        known = options.get(option.layout)
+        if known is None or option.chosen or (not known.chosen and option.time_s < known.time_s):
+            options[option.layout] = option
+    ranked = sorted(options.values(), key=lambda o: (not o.chosen, o.time_s))
+    members = decisions.decisions[decision].members
+    notes = []
+    if len(members) > 1:
+        notes.append(
+            f"shares one decision with {len(members) - 1} node(s) of identical layers: the "
+            "figures are summed over all of them"
+        )
+    if decision != node:
+        notes.append(f"takes its layout from {decision}'s decision (it follows that node)")
+    return Explanation(target, what, mesh, ranked, _decided_by(ranked), notes)
+
+
+def _grouping(plan: Plan, mesh: MeshSpec) -> tuple[tuple[int, ...], ...]:
+    """The grouping of ``mesh``'s axes on which every layout of the plan can be written
+    (meshes of more than two axes are solved grouped, ``passes.solve.group_axes``)."""
+    layouts = [p.param for p in plan.params.values()] + [o.output for o in plan.ops.values()]
+    for groups in group_axes(mesh):
+        if all(_collapse(layout, groups) is not None for layout in layouts):
+            return groups
+    return group_axes(mesh)[0]
+
+
+def _collapse(layout: Layout, groups: tuple[tuple[int, ...], ...]) -> Layout | None:
+    placements = []
+    for group in groups:
+        first = layout[group[0]]
+        if any(layout[a] != first for a in group):
+            return None
+        placements.append(first)
+    return Layout(*placements)
+
+
+def _find_target(plan: Plan, traced: TracedModel, target: str) -> tuple[str, str]:
+    """The node a target names, and how to call it."""
+    for name, info in traced.params.items():
+        if target == name or target in info.aliases:
+            shape = "x".join(map(str, info.shape))
+            return info.nodes[0], f"parameter {name} ({shape})"
+    notes = traced.annotations()
+    if target in plan.ops and target in notes:
+        op = plan.ops[target]
+        return target, f"op {target} ({op.op} in {op.module or 'the root module'})"
+    exits = [
+        n
+        for n, note in notes.items()
+        if note.kind in ("op", "view") and note.module == target and n in plan.ops
+    ]
+    if exits:
+        last = exits[-1]
+        return last, f"op {last}, the last of module {target} ({notes[last].op})"
+    close = closest_names(target, [*traced.params, *plan.ops, *{n.module for n in notes.values()}])
+    guess = f"; closest: {', '.join(close)}" if close else ""
+    raise UsageError(
+        f"{target!r} is no parameter, op or module of the plan{guess} (`autopar show` lists "
+        "the parameters)"
+    )
+
+
+def _plan_choices(
+    plan: Plan, decisions: Decisions, groups: tuple[tuple[int, ...], ...], mesh: MeshSpec
+) -> dict[str, int]:
+    """The choice of every decision that gives the plan's recorded layouts."""
+    chosen: dict[str, int] = {}
+    for name, decision in decisions.decisions.items():
+        count = len(decision.strategies)
+        if count == 1:
+            chosen[name] = 0
+            continue
+        note = decisions.choices[name].note
+        if note is not None and note.kind == "param" and note.param in plan.params:
+            want = plan.params[note.param].param
+            match = [
+                k
+                for k in range(count)
+                if expand_layout(decisions.strategy(name, k).outputs[0], groups) == want
+            ]
+        elif name in plan.ops:
+            recorded = plan.ops[name]
+            match = [
+                k
+                for k in range(count)
+                if expand_layout(decisions.strategy(name, k).outputs[0], groups) == recorded.output
+                and tuple(
+                    None if i is None else expand_layout(i, groups)
+                    for i in decisions.strategy(name, k).inputs
+                )
+                == recorded.inputs
+            ]
+        else:
+            match = [0]
+        if not match:
+            raise PlanFileError(
+                f"the plan's layout of {note.param if note and note.param else name} is not one "
+                f"this model offers on {mesh.describe()}: was the plan made for this model "
+                "(and --config)?"
+            )
+        chosen[name] = match[0]
+    return chosen
+
+
+def _option(
+    parts: ProblemParts,
+    decisions: Decisions,
+    decision: str,
+    node: str,
+    k: int,
+    chosen: dict[str, int],
+    microbatches: int,
+    groups: tuple[tuple[int, ...], ...],
+    mesh: MeshSpec,
+) -> Option:
+    compute = microbatches * (parts.compute_fwd[decision][k] + parts.compute_bwd[decision][k])
+    reshard = microbatches * parts.self_edge[decision][k]
+    overlap = parts.sync[decision][k]
+    for term, _, _ in parts.edge_terms:
+        if decision not in (term.left, term.right):
+            continue
+        left = k if term.left == decision else chosen[term.left]
+        right = k if term.right == decision else chosen[term.right]
+        value = microbatches * term.cost.get((term.left_class[left], term.right_class[right]), 0.0)
+        if term.overlappable:
+            overlap += value
+        else:
+            reshard += value
+    strategy = decisions.strategy(node, k)
+    note = decisions.choices[node].note
+    axes = mesh.axis_names
+    output = expand_layout(strategy.outputs[0], groups)
+    if note is not None and note.kind == "param":
+        layout = format_spec(output, axes, len(note.outputs[0].shape))
+    else:
+        call = decisions.choices[node].call
+        shapes = [info.shape for info in call.inputs] if call is not None else []
+        inputs = ", ".join(
+            "-" if layout is None else format_spec(expand_layout(layout, groups), axes, len(shape))
+            for layout, shape in zip(strategy.inputs, shapes, strict=False)
+        )
+        ndim = len(note.outputs[0].shape) if note is not None and note.outputs else len(output)
+        layout = f"({inputs}) -> {format_spec(output, axes, ndim)}"
+    return Option(layout, compute, reshard, overlap, parts.problem.memory[decision][k])
+
+
+def _forbidders(
+    plan: Plan,
+    decisions: Decisions,
+    mesh: MeshSpec,
+    hints: ResolvedHints | None,
+    decision: str,
+) -> dict[int, list[str]]:
+    """Choice -> the hints that forbid it."""
+    found: dict[int, list[str]] = {}
+    if hints is None:
+        return found
+    for hint, (rule, nodes) in hint_rules(hints, mesh).items():
+        forbidden = forbidden_choices(decisions, [rule], nodes).get(decision, set())
+        for k in forbidden:
+            found.setdefault(k, []).append(str(hint))
+    return found
+
+
+def _decided_by(options: Sequence[Option]) -> str:
+    chosen = options[0]
+    rest = [o for o in options[1:]]
+    allowed = [o for o in rest if not o.forbidden_by]
+    if rest and not allowed:
+        hints = sorted({h for o in rest for h in o.forbidden_by})
+        return "the hints: every other layout is forbidden by " + "; ".join(hints)
+    fits = [o for o in allowed if not o.over_memory]
+    cheaper = [o for o in fits if o.time_s < chosen.time_s * (1 - 1e-9)]
+    forbidden = len(rest) - len(allowed)
+    by_hints = f"; hints forbid {forbidden} other layout(s)" if forbidden else ""
+    if not rest:
+        return "nothing: it has a single possible layout"
+    if cheaper:
+        return (
+            "the plan as a whole: with everything else as planned a cheaper layout exists "
+            "here, but the solver's joint choice (identical layers, memory, hidden "
+            f"communication) is cheaper overall{by_hints}"
+        )
+    runner = min(fits, key=lambda o: o.time_s) if fits else None
+    if runner is None:
+        return f"memory: every other allowed layout exceeds the limit{by_hints}"
+    margin = runner.time_s - chosen.time_s
+    if margin <= 1e-9 * max(chosen.time_s, 1e-12):
+        ties = sum(1 for o in fits if o.time_s - chosen.time_s <= 1e-9 * max(chosen.time_s, 1e-12))
+        return (
+            f"cost: the cheapest allowed layout, tied with {ties} other(s) (the solver took "
+            f"one of them){by_hints}"
+        )
+    return f"cost: the cheapest allowed layout, {_seconds(margin)} per step ahead{by_hints}"
+
+
+def _seconds(value: float) -> str:
+    from plans.units import format_seconds
+
+    return format_seconds(value)
+
+
+def _traced_batch(traced: TracedModel) -> int:
+    for node in traced.graph.nodes:
+        if node.name in traced.user_inputs:
+            val = node.meta.get("val")
+            if val is not None and getattr(val, "dim", lambda: 0)() > 0:
+                return int(val.shape[0])
+    return 1
+
+
+def _zero_level(plan: Plan) -> int:
+    """The ZeRO stage the optimizer state was solved with, read off the layouts."""
+    if any(p.grad != p.param for p in plan.params.values()):
+        return 2
+    if any(p.optimizer != p.param for p in plan.params.values()):
+        return 1
+    return 0

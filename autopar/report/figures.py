@@ -1,0 +1,260 @@
+"""The report's three pictures of a plan, drawn with matplotlib (Agg, no pyplot state).
+
+- ``draw_timeline``: the pipeline timeline (``timeline.simulate``): each device's forward
+  and backward of each microbatch; the hatched background left showing is the bubble;
+- ``draw_memory``: memory per device (per stage), stacked params, grads, optimizer states
+  and activations, against the memory limit;
+- ``draw_layouts``: the parameter layouts per layer, one cell per mesh axis.
+
+``overview_figure`` puts the three on one page (the PNG beside the HTML report).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from autopar.report.timeline import bubble_fraction, makespan, simulate
+from autopar.report.views import layout_rows, memory_bars, plan_mesh_axes, stage_times
+from plans.placement import Partial, Replicate, Shard
+from plans.plan import Plan
+from plans.units import format_bytes, format_seconds
+
+FORWARD = "#4C78A8"
+BACKWARD = "#F58518"
+STATES = ("#54A24B", "#88D27A", "#B279A2", "#E45756")  # params, grads, optimizer, activations
+DIM_COLOURS = ("#4C78A8", "#54A24B", "#B279A2", "#F58518", "#72B7B2")
+REPLICATED = "#E8E8E8"
+PARTIAL = "#FF9DA6"
+MAX_LAYOUT_ROWS = 28
+
+
+def draw_timeline(ax: Axes, plan: Plan) -> None:
+    """Forward and backward of every microbatch on every pipeline device, bubbles visible."""
+    p = plan.parallelism
+    stages = max(p.pp, 1)
+    forward, backward = stage_times(plan)
+    schedule = p.schedule if stages > 1 else "none"
+    tasks = simulate(schedule, stages, p.microbatches, p.chunks, forward, backward)
+    span = makespan(tasks)
+    scale, unit = _time_unit(span)
+    for device in range(stages):
+        ax.barh(
+            device,
+            span * scale,
+            left=0,
+            height=0.8,
+            color="white",
+            edgecolor="#BBBBBB",
+            hatch="///",
+            linewidth=0,
+        )
+    label_width = span * scale / 60
+    for task in tasks:
+        width = (task.end - task.start) * scale
+        shade = 1.0 - 0.35 * (task.chunk // stages) / max(p.chunks - 1, 1) if p.chunks > 1 else 1
+        colour = FORWARD if task.kind == "F" else BACKWARD
+        ax.barh(
+            task.device,
+            width,
+            left=task.start * scale,
+            height=0.8,
+            color=colour,
+            alpha=shade,
+            edgecolor="white",
+            linewidth=0.5,
+        )
+        if width > label_width * max(len(str(task.microbatch)), 1):
+            ax.text(
+                task.start * scale + width / 2,
+                task.device,
+                str(task.microbatch),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white",
+            )
+    ax.set_yticks(range(stages))
+    ax.set_yticklabels([f"stage {s}" if stages > 1 else "every device" for s in range(stages)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, span * scale * 1.01 if span else 1)
+    ax.set_xlabel(f"time in one step ({unit}; gradient sync not shown)")
+    bubble = bubble_fraction(tasks, stages)
+    what = (
+        f"{stages} stages, {schedule}, {p.microbatches} microbatches"
+        + (f", {p.chunks} chunks per device" if p.chunks > 1 else "")
+        if stages > 1
+        else f"no pipeline: {p.microbatches} microbatch(es), gradient accumulation"
+    )
+    ax.set_title(f"Pipeline timeline: {what}; bubble {100 * bubble:.0f}%", loc="left", fontsize=11)
+    ax.legend(
+        handles=[
+            Patch(color=FORWARD, label="forward (microbatch #)"),
+            Patch(color=BACKWARD, label="backward"),
+            Patch(facecolor="white", edgecolor="#BBBBBB", hatch="///", label="idle (bubble)"),
+        ],
+        loc="upper right",
+        fontsize=8,
+        ncols=3,
+        bbox_to_anchor=(1.0, 1.16),
+        frameon=False,
+    )
+
+
+def draw_memory(ax: Axes, plan: Plan) -> None:
+    """Stacked memory per device, per stage, with the limit as a dashed line."""
+    bars = memory_bars(plan)
+    peak = max((bar.total for bar in bars), default=0.0)
+    limit = plan.memory_limit_bytes
+    top = max(peak, limit or 0.0) if limit and limit < 10 * peak else peak
+    scale, unit = _byte_unit(top or 1.0)
+    names = ("params", "grads", "optimizer", "activations")
+    bottoms = [0.0] * len(bars)
+    for name, colour in zip(names, STATES, strict=True):
+        values = [getattr(bar, name) * scale for bar in bars]
+        ax.bar(range(len(bars)), values, bottom=bottoms, color=colour, label=name, width=0.6)
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    for i, bar in enumerate(bars):
+        ax.text(i, bar.total * scale, format_bytes(bar.total), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(bars)))
+    ax.set_xticklabels([bar.label for bar in bars])
+    ax.set_ylabel(f"per device ({unit})")
+    if limit and limit < 10 * peak:
+        ax.axhline(limit * scale, color="black", linestyle="--", linewidth=1)
+        ax.text(
+            -0.4, limit * scale, f"limit {format_bytes(limit)}", ha="left", va="bottom", fontsize=8
+        )
+        ax.set_ylim(0, max(peak, limit) * scale * 1.35)
+    else:
+        ax.set_ylim(0, (peak or 1.0) * scale * 1.35)
+        if limit:
+            ax.text(
+                0.01,
+                0.97,
+                f"limit {format_bytes(limit)} (off the scale)",
+                transform=ax.transAxes,
+                ha="left",
+                va="top",
+                fontsize=8,
+            )
+    ax.set_title("Memory per device at the peak of a step", loc="left", fontsize=11)
+    ax.legend(fontsize=8, loc="upper right", ncols=2, frameon=False)
+
+
+def draw_layouts(ax: Axes, plan: Plan) -> None:
+    """A grid: one row per parameter (identical layers folded), one cell per mesh axis."""
+    axes = plan_mesh_axes(plan)
+    rows = layout_rows(plan)
+    shown = rows[:MAX_LAYOUT_ROWS]
+    zero = any(row.optimizer != row.param for row in rows)
+    columns = [(a, "param") for a in range(len(axes))]
+    if zero:
+        columns += [(a, "optimizer") for a in range(len(axes))]
+    for r, row in enumerate(shown):
+        for c, (axis, which) in enumerate(columns):
+            placement = getattr(row, which)[axis]
+            colour, text = _placement_cell(placement)
+            ax.add_patch(_cell(c, r, colour))
+            ax.text(c + 0.5, r + 0.5, text, ha="center", va="center", fontsize=7)
+    ax.set_xlim(0, len(columns))
+    ax.set_ylim(len(shown), 0)
+    ax.set_xticks([c + 0.5 for c in range(len(columns))])
+    ax.set_xticklabels(
+        [axes[a] if which == "param" else f"{axes[a]}\n(optim.)" for a, which in columns],
+        fontsize=8,
+    )
+    ax.xaxis.tick_top()
+    ax.set_yticks([r + 0.5 for r in range(len(shown))])
+    ax.set_yticklabels(
+        [
+            f"{row.name}" + (f"  [{row.layers}]" if row.layers and "*" in row.name else "")
+            for row in shown
+        ],
+        fontsize=7,
+    )
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    more = f" (first {len(shown)} of {len(rows)})" if len(rows) > len(shown) else ""
+    ax.set_title(f"Parameter layouts per mesh axis{more}", loc="left", fontsize=11, pad=22)
+
+
+def overview_figure(plan: Plan, dpi: int = 80) -> Figure:
+    """The three views on one page: timeline on top, memory and layouts below."""
+    rows = min(len(layout_rows(plan)), MAX_LAYOUT_ROWS)
+    stages = max(plan.parallelism.pp, 1)
+    timeline_h = 1.6 + 0.45 * stages
+    bottom_h = max(3.6, 0.22 * rows + 1.2)
+    figure = Figure(figsize=(13, timeline_h + bottom_h + 0.9), dpi=dpi)
+    grid = figure.add_gridspec(2, 2, height_ratios=[timeline_h, bottom_h], width_ratios=[1, 1.25])
+    draw_timeline(figure.add_subplot(grid[0, :]), plan)
+    draw_memory(figure.add_subplot(grid[1, 0]), plan)
+    draw_layouts(figure.add_subplot(grid[1, 1]), plan)
+    e = plan.estimate
+    figure.suptitle(
+        f"{plan.model} on {plan.mesh.describe()}: {format_seconds(e.step_time_s)} per step, "
+        f"MFU {100 * e.mfu:.0f}%",
+        x=0.01,
+        ha="left",
+        fontsize=13,
+        fontweight="bold",
+    )
+    figure.tight_layout()
+    return figure
+
+
+def single_figure(plan: Plan, view: str, dpi: int = 100) -> Figure:
+    """One view on its own (``timeline``, ``memory`` or ``layouts``), for the HTML report."""
+    if view == "timeline":
+        figure = Figure(figsize=(12, 1.6 + 0.45 * max(plan.parallelism.pp, 1)), dpi=dpi)
+        draw_timeline(figure.add_subplot(), plan)
+    elif view == "memory":
+        figure = Figure(figsize=(7, 4), dpi=dpi)
+        draw_memory(figure.add_subplot(), plan)
+    else:
+        rows = min(len(layout_rows(plan)), MAX_LAYOUT_ROWS)
+        figure = Figure(figsize=(8, 0.24 * rows + 1.4), dpi=dpi)
+        draw_layouts(figure.add_subplot(), plan)
+    figure.tight_layout()
+    return figure
+
+
+def _cell(x: float, y: float, colour: str):  # type: ignore[no-untyped-def]
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((x + 0.03, y + 0.06), 0.94, 0.88, color=colour, linewidth=0)
+
+
+def _placement_cell(placement: Shard | Replicate | Partial) -> tuple[str, str]:
+    if isinstance(placement, Shard):
+        return DIM_COLOURS[placement.dim % len(DIM_COLOURS)] + "99", f"split {placement.dim}"
+    if isinstance(placement, Partial):
+        return PARTIAL, "partial"
+    return REPLICATED, "whole"
+
+
+def _time_unit(seconds: float) -> tuple[float, str]:
+    if seconds >= 1:
+        return 1.0, "s"
+    if seconds >= 1e-3:
+        return 1e3, "ms"
+    return 1e6, "us"
+
+
+def _byte_unit(size: float) -> tuple[float, str]:
+    for unit, value in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= value:
+            return 1 / value, unit
+    return 1.0, "B"
+
+
+__all__: Sequence[str] = (
+    "draw_layouts",
+    "draw_memory",
+    "draw_timeline",
+    "overview_figure",
+    "single_figure",
+)
