@@ -41,9 +41,15 @@ from examples.models import build
 from passes.annotation import META_KEY
 from passes.trace import trace
 
-TIMED_OPS = ("aten.linear.default", "aten.einsum.default", "aten.scaled_dot_product_attention"
-             ".default", "aten.layer_norm.default", "aten.gelu.default", "aten.add.Tensor",
-             "aten.embedding.default")
+TIMED_OPS = (
+    "aten.linear.default",
+    "aten.einsum.default",
+    "aten.scaled_dot_product_attention.default",
+    "aten.layer_norm.default",
+    "aten.gelu.default",
+    "aten.add.Tensor",
+    "aten.embedding.default",
+)
 
 
 def synchronize(device: torch.device) -> None:
@@ -51,8 +57,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def step_times(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
-               device: torch.device, steps: int, warmup: int = 3) -> tuple[float, float]:
+def step_times(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    device: torch.device,
+    steps: int,
+    warmup: int = 3,
+) -> tuple[float, float]:
     """Median seconds per training step (bf16 autocast, AdamW) and peak bytes."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if device.type == "cuda":
@@ -104,8 +116,12 @@ def time_op(node: torch.fx.Node, device: torch.device, repeat: int = 20) -> floa
     return statistics.median(samples)
 
 
-def op_table(model: torch.nn.Module, tokens: torch.Tensor, device: torch.device,
-             presets: dict[str, DevicePreset]) -> list[dict[str, Any]]:
+def op_table(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    device: torch.device,
+    presets: dict[str, DevicePreset],
+) -> list[dict[str, Any]]:
     traced = trace(copy.deepcopy(model).to("meta"), (tokens.to("meta"),))
     seen: set[tuple[str, str]] = set()
     rows = []
@@ -118,14 +134,16 @@ def op_table(model: torch.nn.Module, tokens: torch.Tensor, device: torch.device,
             continue
         seen.add(key)
         measured = time_op(node, device)
-        row: dict[str, Any] = {"op": note.op.removeprefix("aten.").removesuffix(".default"),
-                               "shape": "x".join(map(str, note.outputs[0].shape)),
-                               "measured_s": measured}
+        row: dict[str, Any] = {
+            "op": note.op.removeprefix("aten.").removesuffix(".default"),
+            "shape": "x".join(map(str, note.outputs[0].shape)),
+            "measured_s": measured,
+        }
         for label, preset in presets.items():
             # activations were traced in fp32; the step runs them in bf16: half the bytes
-            row[f"predicted_{label}_s"] = op_time(note.fwd_flops,
-                                                  (note.bytes_read + note.bytes_written) / 2,
-                                                  "bfloat16", preset)
+            row[f"predicted_{label}_s"] = op_time(
+                note.fwd_flops, (note.bytes_read + note.bytes_written) / 2, "bfloat16", preset
+            )
         rows.append(row)
     return rows
 
@@ -143,8 +161,12 @@ def main() -> int:
     if device.type == "cuda":
         torch.cuda.set_device(0)
         torch.backends.cuda.matmul.allow_tf32 = True
-    dist.init_process_group("gloo" if args.cpu else "nccl",
-                            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo" if args.cpu else "nccl",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+    )
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if not args.cpu else "cpu"}
 
     from cost_model.calibrate import calibrate
@@ -154,8 +176,10 @@ def main() -> int:
     from cost_model.hardware import save_preset
 
     save_preset(calibrated, args.out / "calibrated.yaml")
-    presets = {"preset": load_preset(args.preset if not args.cpu else "cpu"),
-               "calibrated": calibrated}
+    presets = {
+        "preset": load_preset(args.preset if not args.cpu else "cpu"),
+        "calibrated": calibrated,
+    }
 
     name, overrides = ("gpt-tiny", {}) if args.small else ("gpt3-1.3b", {})
     torch.manual_seed(0)
@@ -163,41 +187,60 @@ def main() -> int:
     model = model.to(device)
     tokens = torch.randint(0, model.wte.weight.shape[0], tokens.shape, device=device)
     targets = torch.roll(tokens, -1, dims=1)
-    report["model"] = {"preset": name, "parameters": sum(p.numel() for p in model.parameters()),
-                       "batch": list(tokens.shape)}
+    report["model"] = {
+        "preset": name,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "batch": list(tokens.shape),
+    }
 
-    eager_time, eager_peak = step_times(copy.deepcopy(model), tokens, targets, device,
-                                        args.steps)
+    eager_time, eager_peak = step_times(copy.deepcopy(model), tokens, targets, device, args.steps)
     mesh = autopar.Mesh((1,), ("x",), device=presets["preset"].name)
     start = time.perf_counter()
-    compiled = autopar.compile(copy.deepcopy(model), mesh, example_inputs=(tokens,),
-                               precision="bf16_mixed")
+    compiled = autopar.compile(
+        copy.deepcopy(model), mesh, example_inputs=(tokens,), precision="bf16_mixed"
+    )
     report["compile_s"] = time.perf_counter() - start
     compiled_time, compiled_peak = step_times(compiled, tokens, targets, device, args.steps)
-    report["step"] = {"eager_s": eager_time, "compiled_s": compiled_time,
-                      "ratio": compiled_time / eager_time, "eager_peak_bytes": eager_peak,
-                      "compiled_peak_bytes": compiled_peak,
-                      "predicted_s": compiled.plan.estimate.step_time_s}
+    report["step"] = {
+        "eager_s": eager_time,
+        "compiled_s": compiled_time,
+        "ratio": compiled_time / eager_time,
+        "eager_peak_bytes": eager_peak,
+        "compiled_peak_bytes": compiled_peak,
+        "predicted_s": compiled.plan.estimate.step_time_s,
+    }
     report["ops"] = op_table(model, tokens, device, presets)
     (args.out / "gpu.json").write_text(json.dumps(report, indent=2))
 
-    print(f"# {report['device']}: {name}, {report['model']['parameters'] / 1e9:.2f}B "
-          f"parameters, batch {tuple(tokens.shape)}, bf16 mixed precision\n")
+    print(
+        f"# {report['device']}: {name}, {report['model']['parameters'] / 1e9:.2f}B "
+        f"parameters, batch {tuple(tokens.shape)}, bf16 mixed precision\n"
+    )
     s = report["step"]
     print("| | eager | autopar (mesh of 1) | ratio |\n|---|---:|---:|---:|")
-    print(f"| step time (median of {args.steps}) | {s['eager_s'] * 1e3:.1f} ms | "
-          f"{s['compiled_s'] * 1e3:.1f} ms | {s['ratio']:.3f} |")
-    print(f"| peak memory | {s['eager_peak_bytes'] / 2**30:.2f} GiB | "
-          f"{s['compiled_peak_bytes'] / 2**30:.2f} GiB | "
-          f"{s['compiled_peak_bytes'] / max(s['eager_peak_bytes'], 1):.3f} |")
-    print(f"\nplanned step time {s['predicted_s'] * 1e3:.1f} ms; compile (trace + plan + "
-          f"lower) {report['compile_s']:.1f} s\n")
-    print("| op | output | measured | predicted (preset) | ratio | predicted (calibrated) | "
-          "ratio |\n|---|---|---:|---:|---:|---:|---:|")
+    print(
+        f"| step time (median of {args.steps}) | {s['eager_s'] * 1e3:.1f} ms | "
+        f"{s['compiled_s'] * 1e3:.1f} ms | {s['ratio']:.3f} |"
+    )
+    print(
+        f"| peak memory | {s['eager_peak_bytes'] / 2**30:.2f} GiB | "
+        f"{s['compiled_peak_bytes'] / 2**30:.2f} GiB | "
+        f"{s['compiled_peak_bytes'] / max(s['eager_peak_bytes'], 1):.3f} |"
+    )
+    print(
+        f"\nplanned step time {s['predicted_s'] * 1e3:.1f} ms; compile (trace + plan + "
+        f"lower) {report['compile_s']:.1f} s\n"
+    )
+    print(
+        "| op | output | measured | predicted (preset) | ratio | predicted (calibrated) | "
+        "ratio |\n|---|---|---:|---:|---:|---:|---:|"
+    )
     for row in report["ops"]:
         m, p, c = row["measured_s"], row["predicted_preset_s"], row["predicted_calibrated_s"]
-        print(f"| {row['op']} | {row['shape']} | {m * 1e6:.1f} us | {p * 1e6:.1f} us | "
-              f"{m / p:.2f} | {c * 1e6:.1f} us | {m / c:.2f} |")
+        print(
+            f"| {row['op']} | {row['shape']} | {m * 1e6:.1f} us | {p * 1e6:.1f} us | "
+            f"{m / p:.2f} | {c * 1e6:.1f} us | {m / c:.2f} |"
+        )
     dist.destroy_process_group()
     return 0
 

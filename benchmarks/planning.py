@@ -41,13 +41,18 @@ def plan_once(name: str, shape: tuple[int, int], overrides: dict) -> dict[str, f
     traced_at = time.perf_counter()
     solved = solve_sharding(traced, SolveRequest(mesh, mesh_memory(mesh)))
     solved_at = time.perf_counter()
-    plan = build_plan(traced, solved, model=name, global_batch=1, microbatch_size=1,
-                      memory_limit=None)
+    plan = build_plan(
+        traced, solved, model=name, global_batch=1, microbatch_size=1, memory_limit=None
+    )
     done = time.perf_counter()
     return {
-        "trace": traced_at - start, "solve": solved_at - traced_at, "ilp": plan.solver.time_s,
-        "total": done - start, "variables": plan.solver.variables,
-        "before": plan.solver.variables_before_merging or 0, "mfu": plan.estimate.mfu,
+        "trace": traced_at - start,
+        "solve": solved_at - traced_at,
+        "ilp": plan.solver.time_s,
+        "total": done - start,
+        "variables": plan.solver.variables,
+        "before": plan.solver.variables_before_merging or 0,
+        "mfu": plan.estimate.mfu,
         "layers": len(model.layers),
     }
 
@@ -59,13 +64,15 @@ PIPELINE_CASES = [
 ]
 
 
-def plan_pipeline_once(name: str, shape: tuple[int, int], global_batch: int,
-                       batch: int) -> tuple[float, autopar.Plan]:
+def plan_pipeline_once(
+    name: str, shape: tuple[int, int], global_batch: int, batch: int
+) -> tuple[float, autopar.Plan]:
     model, inputs = build(name, device="meta", batch_size=batch)
     mesh = autopar.Mesh.cluster(shape[0], shape[1], device="h100-sxm")
     start = time.perf_counter()
-    plan = autopar.plan(model, mesh, inputs, global_batch=global_batch,
-                        precision="bf16_mixed", memory_limit="80GiB")
+    plan = autopar.plan(
+        model, mesh, inputs, global_batch=global_batch, precision="bf16_mixed", memory_limit="80GiB"
+    )
     return time.perf_counter() - start, plan
 
 
@@ -81,26 +88,34 @@ def main() -> None:
     parser.add_argument("--skip-pipeline", action="store_true")
     args = parser.parse_args()
     plan_once("gpt-tiny", (1, 2), {})  # warm-up: imports, first export
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__};"
-          f" median of {args.repeat}")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__};"
+        f" median of {args.repeat}"
+    )
     print()
-    print("| model | layers | mesh | total (s) | trace (s) | solve (s) | of which ILP (s) "
-          "| ILP variables | without merging and sharing | est. MFU |")
+    print(
+        "| model | layers | mesh | total (s) | trace (s) | solve (s) | of which ILP (s) "
+        "| ILP variables | without merging and sharing | est. MFU |"
+    )
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, shape, overrides in CASES:
         runs = [plan_once(name, shape, overrides) for _ in range(args.repeat)]
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        print(f"| {name} | {int(med['layers'])} | {shape[0]}x{shape[1]} | {med['total']:.2f} "
-              f"| {med['trace']:.2f} | {med['solve']:.2f} | {med['ilp']:.2f} "
-              f"| {int(med['variables'])} | {int(med['before'])} | {100 * med['mfu']:.1f}% |")
+        print(
+            f"| {name} | {int(med['layers'])} | {shape[0]}x{shape[1]} | {med['total']:.2f} "
+            f"| {med['trace']:.2f} | {med['solve']:.2f} | {med['ilp']:.2f} "
+            f"| {int(med['variables'])} | {int(med['before'])} | {100 * med['mfu']:.1f}% |"
+        )
     if not args.skip_pipeline:
         pipeline_table(max(1, args.repeat // 2))
 
 
 def pipeline_table(repeat: int) -> None:
     print()
-    print("| model | cluster | global batch | planning (s) | chosen dp x tp x pp (sp, zero) "
-          "| schedule | microbatches x size | est. step (s) | est. MFU | runner-up |")
+    print(
+        "| model | cluster | global batch | planning (s) | chosen dp x tp x pp (sp, zero) "
+        "| schedule | microbatches x size | est. step (s) | est. MFU | runner-up |"
+    )
     print("|---|---|---:|---:|---|---|---|---:|---:|---|")
     for name, shape, global_batch, batch in PIPELINE_CASES:
         runs = [plan_pipeline_once(name, shape, global_batch, batch) for _ in range(repeat)]
@@ -108,12 +123,17 @@ def pipeline_table(repeat: int) -> None:
         plan = runs[-1][1]
         p = plan.parallelism
         second = plan.alternatives[0] if plan.alternatives else None
-        runner = (f"pp={second.parallelism.pp} {second.parallelism.schedule}, "
-                  f"{second.step_time_s:.2f} s" if second else "-")
-        print(f"| {name} | {shape[0]}x{shape[1]} H100 | {global_batch} | {seconds:.1f} "
-              f"| {p.dp} x {p.tp} x {p.pp} (sp {p.sp}, zero {p.zero}) | {p.schedule} "
-              f"| {p.microbatches} x {plan.microbatch_size} | {plan.estimate.step_time_s:.2f} "
-              f"| {100 * plan.estimate.mfu:.1f}% | {runner} |")
+        runner = (
+            f"pp={second.parallelism.pp} {second.parallelism.schedule}, {second.step_time_s:.2f} s"
+            if second
+            else "-"
+        )
+        print(
+            f"| {name} | {shape[0]}x{shape[1]} H100 | {global_batch} | {seconds:.1f} "
+            f"| {p.dp} x {p.tp} x {p.pp} (sp {p.sp}, zero {p.zero}) | {p.schedule} "
+            f"| {p.microbatches} x {plan.microbatch_size} | {plan.estimate.step_time_s:.2f} "
+            f"| {100 * plan.estimate.mfu:.1f}% | {runner} |"
+        )
 
 
 if __name__ == "__main__":

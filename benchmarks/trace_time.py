@@ -41,8 +41,10 @@ def main() -> None:
     args = parser.parse_args()
     build("gpt-tiny")  # import and warm up torch.export once, outside the timings
     trace(*build("gpt-tiny"))
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"torch {torch.__version__}; median of {args.repeat}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}; median of {args.repeat}"
+    )
     print()
     print("| model | trace time (s) | graph nodes | parameters | forward TFLOP |")
     print("|---|---:|---:|---:|---:|")
