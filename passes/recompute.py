@@ -203,8 +203,45 @@ def _coefficients(
             strategy = decisions.strategy(node.name, k)
             saving[k] += cost.saved_bytes(note, strategy, freed)
             forward[k] += cost.op_time(note, strategy)[0]
+    _kept_boundary(region, members, decisions, cost, savers)
     region.saving_bound = sum(max(v) for v in region.saving.values())
     region.forward_bound = sum(max(v) for v in region.forward.values())
+
+
+def _kept_boundary(
+    region: Region,
+    members: list[torch.fx.Node],
+    decisions: Decisions,
+    cost: CostModel,
+    savers: dict[str, set[str]],
+) -> None:
+    """Subtract the region's inputs that the checkpoint keeps and nothing kept before.
+
+    A checkpoint keeps every tensor its region reads from outside. Most are kept anyway
+    (the layer's input, a norm's input, a matmul's input); one that no op saved (say the
+    bias-free output of the QKV projection that a selective region starts from) now stays
+    until backward: the region's boundary, as Megatron's selective recompute keeps q, k, v.
+    Parameters and the model's inputs live anyway."""
+    inside = {n.name for n in members}
+    seen: set[str] = set()
+    for node in members:
+        for source in _flat_inputs(node):
+            if source.name in inside or source.op != "call_function" or source.name in seen:
+                continue
+            seen.add(source.name)
+            note = source.meta[META_KEY]
+            owner = note.alias_of or source.name
+            binding = decisions.bindings.get(source.name)
+            if savers.get(owner) or binding is None or not note.outputs:
+                continue
+            index = binding.item if binding.source is not None else 0
+            producer = source.name if binding.source is None else binding.source
+            info = decisions.choices[producer].note.outputs[index]  # type: ignore[union-attr]
+            count = len(decisions.decisions[binding.decision].strategies)
+            saving = region.saving.setdefault(binding.decision, [0.0] * count)
+            for k in range(count):
+                layout = decisions.output_layout(source.name, k)
+                saving[k] -= cost.tensor_bytes(info, layout)
 
 
 def recompute_terms(regions: list[Region], microbatches: int) -> list[RecomputeTerm]:

@@ -56,6 +56,7 @@ from autopar.runtime import checkpoint
 from autopar.runtime.collectives import MODULES
 from autopar.runtime.grad_sync import GradientSync
 from autopar.runtime.groups import axis_groups
+from autopar.runtime.memory_savers import install as install_memory_savers
 from autopar.runtime.pipeline import (
     Loss,
     PipelineRunner,
@@ -200,6 +201,8 @@ class CompiledModel(nn.Module):
             module = torch.fx.GraphModule(tree, graph, class_name=f"{name}Rank{rank}{label}")
             _share_tree(module, tree)
             modules.append(module)
+        # recompute regions as checkpoints; FSDP's gathered weights regathered in backward
+        install_memory_savers(plan, modules, [p.working for p in zero])
         object.__setattr__(self, "program", modules[0])  # not a child: it shares our tree
         object.__setattr__(self, "stage_modules", modules)
         self._state_keys = _state_keys(model, plan, whole)

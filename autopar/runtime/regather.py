@@ -40,6 +40,11 @@ class _Recipe:
 
 
 @dataclass(frozen=True)
+class _Outer:
+    value: Any  # what the outer hooks' pack made
+
+
+@dataclass(frozen=True)
 class _Packed:
     recipe: _Recipe
     size: tuple[int, ...]
@@ -82,20 +87,28 @@ class ParamGathers:
                 return entry[1]
         return None
 
-    def pack(self, tensor: torch.Tensor) -> Any:
-        recipe = self._lookup(tensor)
-        if recipe is None:
-            return tensor
-        return _Packed(
-            recipe, tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset()
-        )
-
-    @staticmethod
-    def unpack(packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Packed):
-            return packed
-        whole = packed.recipe.replay()
-        return whole.as_strided(packed.size, packed.stride, packed.offset)
-
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        """Hooks that pack gathered parameters as recipes and hand every other tensor to
+        the hooks active outside (a user's offloading, a memory probe), which a plain
+        inner pair would shadow."""
+        # private, but what torch itself uses to read the active pair (aot_autograd)
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+        def pack(tensor: torch.Tensor) -> Any:
+            recipe = self._lookup(tensor)
+            if recipe is not None:
+                return _Packed(
+                    recipe, tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset()
+                )
+            return _Outer(outer[0](tensor)) if outer is not None else tensor
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if isinstance(packed, _Packed):
+                whole = packed.recipe.replay()
+                return whole.as_strided(packed.size, packed.stride, packed.offset)
+            if isinstance(packed, _Outer):
+                assert outer is not None
+                return outer[1](packed.value)
+            return packed
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

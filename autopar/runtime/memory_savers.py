@@ -1,0 +1,71 @@
+"""The runtime's two ways of keeping less for backward, installed on a rank's programs.
+
+- Recompute: the plan's recompute regions (``Plan.recompute``, chosen by the ILP) are
+  outlined into non-reentrant activation checkpoints (``passes.lower_recompute``).
+- FSDP regather: a parameter stored sharded is all-gathered before use; the gathered weight
+  is not kept for backward but gathered again there (``runtime.regather``).
+
+Both act on the programs themselves (the ``GraphModule`` of each pipeline stage, or the one
+program), so a forward call and a pipeline schedule's stage calls get them alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.runtime.collectives import AllGather
+from autopar.runtime.regather import ParamGathers
+from passes.lower_recompute import wrap_recompute
+from plans.plan import Plan
+
+
+def install(
+    plan: Plan, programs: list[torch.fx.GraphModule], working: list[torch.Tensor]
+) -> ParamGathers | None:
+    """Wrap ``plan``'s recompute regions in every program, and regather parameters that the
+    programs all-gather (``working``: ZeRO working copies, parameters too). Returns the
+    regather record (None when no program gathers a parameter)."""
+    for program in programs:
+        wrap_recompute(program, plan.recompute)
+    gathers_params = [
+        module
+        for program in programs
+        for module in program.modules()
+        if isinstance(module, AllGather)
+    ]
+    if not gathers_params or not _any_sharded_param(plan):
+        return None
+    working_ids = {id(t) for t in working}
+    gathers = ParamGathers(lambda t: isinstance(t, nn.Parameter) or id(t) in working_ids)
+    for module in gathers_params:
+        module.gathers = gathers
+    for program in programs:
+        _hook_forward(program, gathers)
+    return gathers
+
+
+def _any_sharded_param(plan: Plan) -> bool:
+    """Whether some parameter is stored sharded (FSDP / ZeRO-3 or tensor parallel): only
+    then can an all-gather take a parameter."""
+    return any(not entry.param.is_replicated for entry in plan.params.values())
+
+
+def _hook_forward(program: nn.Module, gathers: ParamGathers) -> None:
+    """Pack gathered parameters as recipes while ``program`` runs forward."""
+    active: list[Any] = []
+
+    def enter(_module: nn.Module, _args: Any) -> None:
+        gathers.clear()  # recipes are looked up only while packing, in this forward
+        context = gathers.hooks()
+        context.__enter__()
+        active.append(context)
+
+    def leave(_module: nn.Module, _args: Any, _output: Any) -> None:
+        if active:
+            active.pop().__exit__(None, None, None)
+
+    program.register_forward_pre_hook(enter)
+    program.register_forward_hook(leave, always_call=True)
