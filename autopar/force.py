@@ -6,7 +6,8 @@ styles name the mesh axes they use: ``dp`` for the data-parallel axes and ``tp``
 tensor-parallel one (by default the last axis is ``tp`` and the others ``dp``).
 
 - ``dp``: every parameter replicated; every matmul takes its activation batch-sharded over
-  every axis (plain data parallelism).
+  every axis (plain data parallelism), and the other operand replicated (a weight) or
+  batch-sharded too (a batched matmul of two activations, as in attention).
 - ``fsdp``: every parameter that can be sharded is stored sharded on the data axes (ZeRO-3)
   and matmuls take the batch sharded on them.
 - ``tp``: matmul weights sharded on the tp axis (Megatron's column and row splits; which one
@@ -14,25 +15,37 @@ tensor-parallel one (by default the last axis is ``tp`` and the others ``dp``).
   the residual stream (adds of two [batch, sequence, hidden] tensors) replicated on tp.
 - ``tp+sp``: as ``tp``, but the residual stream (3-d adds) sharded on the sequence dim over
   the tp axis (Megatron's sequence parallelism).
+- ``ep``: expert parallelism on the last axis (GShard, Switch): every expert matmul
+  (``passes.experts``) takes its expert weight split on the expert dim over that axis and
+  replicated on the others (experts data-parallel there), its tokens sharded on the others;
+  every other matmul is data-parallel over all axes (activation sharded on dim 0, weights
+  replicated), so tokens go to their experts and back by all-to-all on the ep axis.
+- ``ep+tp``: experts split over the second-to-last axis and tensor-parallel inside (the
+  expert weight also split on a non-expert dim) over the last; the other matmuls
+  Megatron-style on the last axis and data-parallel on the others; the residual stream
+  replicated on the last axis.
 """
 
 from __future__ import annotations
 
+from passes.experts import expert_matmul
 from passes.plan_build import ADDED_FIRST, MATMULS, is_residual_add
 from passes.solve import Constraint
 from passes.strategies.graph import NodeChoices
 from passes.strategies.types import Strategy
 from plans.errors import UsageError
 from plans.mesh import MeshSpec
-from plans.placement import Replicate, Shard
+from plans.placement import Layout, Replicate, Shard
 
-STYLES = ("dp", "fsdp", "tp", "tp+sp")
+STYLES = ("dp", "fsdp", "tp", "tp+sp", "ep", "ep+tp")
 
 
 def style_constraints(style: str, mesh: MeshSpec, tp_axis: int | None = None) -> list[Constraint]:
     """The constraints that force ``style`` on ``mesh``."""
     if style not in STYLES:
         raise UsageError(f"unknown parallel style {style!r}; one of {', '.join(STYLES)}")
+    if style.startswith("ep"):
+        return [_expert_rule(style, mesh)]
     axes = list(range(mesh.ndim))
     tp = (mesh.ndim - 1 if tp_axis is None else tp_axis) if style.startswith("tp") else None
     dp_axes = [a for a in axes if a != tp]
@@ -62,8 +75,11 @@ def style_constraints(style: str, mesh: MeshSpec, tp_axis: int | None = None) ->
             if not batch_sharded(strategy, act):
                 return False
             if style in ("dp", "fsdp"):
+                # a weight replicated; the other operand of a batched matmul of two
+                # activations (attention's q k^T, probs v) batch-sharded like the first,
+                # which only a batch dim of the contraction can be
                 weight_ok = all(
-                    isinstance(strategy.inputs[i][a], Replicate)
+                    isinstance(strategy.inputs[i][a], Replicate) or batch_sharded(strategy, i)
                     for i in range(len(strategy.inputs))
                     if i != act
                     for a in dp_axes
@@ -82,3 +98,51 @@ def style_constraints(style: str, mesh: MeshSpec, tp_axis: int | None = None) ->
 
 def _can_shard(choices: NodeChoices, mesh: MeshSpec, dp_axes: list[int]) -> bool:
     return any(all(isinstance(s.outputs[0][a], Shard) for a in dp_axes) for s in choices.strategies)
+
+
+def _expert_rule(style: str, mesh: MeshSpec) -> Constraint:
+    """The ``ep`` and ``ep+tp`` styles (module docstring), as one predicate."""
+    tp = mesh.ndim - 1 if style == "ep+tp" else None
+    ep = mesh.ndim - 1 if tp is None else mesh.ndim - 2
+    if ep < 0:
+        raise UsageError(f"style {style!r} needs a mesh of {mesh.ndim + 1} axes or more")
+    axes = range(mesh.ndim)
+    dp_axes = [a for a in axes if a not in (ep, tp)]
+    token_axes = [a for a in axes if a != tp]  # every axis but tp carries the batch
+
+    def replicated(layout: Layout, on: list[int]) -> bool:
+        return all(isinstance(layout[a], Replicate) for a in on)
+
+    def rule(node: str, choices: NodeChoices, strategy: Strategy) -> bool:
+        note = choices.note
+        if choices.kind != "op" or note is None:
+            return True
+        if tp is not None and is_residual_add(choices):
+            return isinstance(strategy.outputs[0][tp], Replicate)
+        if note.op not in MATMULS or not strategy.inputs:
+            return True
+        found = expert_matmul(choices)
+        if found is not None:
+            weight, tokens = strategy.inputs[found.weight], strategy.inputs[found.tokens]
+            inside = tp is None or (
+                isinstance(weight[tp], Shard) and weight[tp].dim != found.weight_dim
+            )
+            return (
+                weight[ep] == Shard(found.weight_dim)
+                and replicated(weight, dp_axes)
+                and inside
+                and all(isinstance(tokens[a], Shard) for a in dp_axes)
+            )
+        act = 1 if note.op in ADDED_FIRST else 0
+        if not all(strategy.inputs[act][a] == Shard(0) for a in token_axes):
+            return False
+        for i, param in enumerate(choices.params):
+            if param is None:
+                continue
+            if not replicated(strategy.inputs[i], token_axes):
+                return False
+            if tp is not None and not isinstance(strategy.inputs[i][tp], Shard):
+                return False
+        return True
+
+    return rule

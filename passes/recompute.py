@@ -97,7 +97,10 @@ def find_regions(
         nodes = layer_nodes[first]
         candidates = [(f"layers[{first}] full", "full", nodes)]
         for group in _selective_groups(nodes):
-            candidates.append((f"{_module(group[0])} {group[0].target}", "selective", group))
+            name = f"{_module(group[0])} {group[0].target} .. {group[-1].target}"
+            if any(name == taken for taken, _, _ in candidates):  # names key the ILP's rows
+                name = f"{name} #{len(candidates)}"
+            candidates.append((name, "selective", group))
         for name, kind, members in candidates:
             region = Region(name, kind, tuple(n.name for n in members), {})
             by_position = {n.name: i for i, n in enumerate(nodes)}
@@ -147,24 +150,39 @@ def _flat_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
 def _selective_groups(nodes: list[torch.fx.Node]) -> list[list[torch.fx.Node]]:
     """Runs of element-wise ops between two matmuls (an MLP's activation, an explicit
     softmax), each with the matmul that consumes it: that matmul keeps the run's output
-    for its backward, so only with it inside does recomputing the run free anything."""
+    for its backward, so only with it inside does recomputing the run free anything.
+
+    Each run comes twice: as above, and with the matmul that made the run's input (and
+    the views between): when nothing else keeps that input (attention's scores ``q k^T``,
+    which the softmax reads but does not keep), the first form's checkpoint would keep it
+    instead and free nothing; the second keeps the matmul's inputs (q and k, small) and
+    recomputes it too, as Megatron's selective recomputation of the core attention does.
+    The costs decide between them (``_coefficients``)."""
     groups: list[list[torch.fx.Node]] = []
     current: list[torch.fx.Node] = []
+    producer: list[torch.fx.Node] = []  # the last matmul and the views after it
     after_matmul = False
+    constant: set[torch.fx.Node] = set()  # made from no tensor at all (a causal mask)
     for node in nodes:
         op = str(node.target)
         note = node.meta[META_KEY]
+        if all(a in constant for a in node.all_input_nodes):
+            constant.add(node)  # not part of a run, nor does it end one
+            continue
         if op in MATMULS:
             if current and after_matmul:
                 groups.append([*current, node])
-            current, after_matmul = [], True
+                groups.append([*producer, *current, node])
+            current, producer, after_matmul = [], [node], True
         elif op in SELECTIVE_OPS and note.fwd_flops == 0:
             current.append(node)
         elif note.kind == "view":
             if current:
                 current.append(node)
+            elif after_matmul:
+                producer.append(node)
         else:
-            current, after_matmul = [], False
+            current, producer, after_matmul = [], [], False
     return groups
 
 

@@ -48,6 +48,10 @@ class GPTConfig:
     """Biases in every Linear and LayerNorm except ``lm_head``, as GPT-2 has them."""
     tie_embeddings: bool = True
     """``lm_head.weight`` is ``wte.weight`` (one parameter)."""
+    attention: str = "sdpa"
+    """``"sdpa"``: ``scaled_dot_product_attention`` (a fused kernel keeps no T x T scores);
+    ``"explicit"``: softmax(q k^T / sqrt(hs) + causal mask) v written out, as Megatron's
+    core attention, whose T x T scores are what selective recomputation frees."""
     batch_size: int = 1
     """B of the example inputs."""
     device: str | torch.device = "cpu"
@@ -61,6 +65,10 @@ class GPTConfig:
         check_positive(self, "vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff")
         check_positive(self, "batch_size")
         check_divides(self, "n_head", "d_model")
+        if self.attention not in ("sdpa", "explicit"):
+            raise UsageError(
+                f"GPTConfig.attention must be 'sdpa' or 'explicit', not {self.attention!r}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise UsageError(f"GPTConfig.dropout must be in [0, 1), not {self.dropout!r}")
         normalize_dtype(self)
@@ -74,6 +82,7 @@ class CausalSelfAttention(nn.Module):
         factory = {"device": cfg.device, "dtype": cfg.dtype}
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
+        self.explicit = cfg.attention == "explicit"
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias, **factory)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias, **factory)
 
@@ -85,7 +94,13 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, nh, T, hs)
+        if self.explicit:
+            scores = (q * hs**-0.5) @ k.transpose(-2, -1)  # (B, nh, T, T)
+            mask = torch.full((T, T), float("-inf"), device=x.device, dtype=x.dtype).triu(1)
+            probs = _dropout(F.softmax(scores + mask, dim=-1), p, self.training)
+            y = probs @ v  # (B, nh, T, hs)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
         return _dropout(self.proj(y), self.dropout, self.training)  # (B, T, C)
 

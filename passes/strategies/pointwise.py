@@ -197,6 +197,14 @@ def where_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
     return _elementwise(call, mesh_shape, partial=partial)
 
 
+def triangle_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
+    """triu/tril: which elements survive depends on the row and column index, so the last
+    two dims stay whole; leading (batch) dims may be sharded. Linear: partial in, partial
+    out."""
+    ndim = len(call.out.shape)
+    return _elementwise(call, mesh_shape, partial=[(0,)], keep_whole=(ndim - 2, ndim - 1))
+
+
 def masked_fill_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
     """masked_fill(self, mask, value): any non-broadcast dim may be sharded. Linear in self
     and a tensor value together (mask replicated); a scalar value must be zero."""
@@ -471,6 +479,8 @@ RULES: dict[object, Rule] = {
     aten.where.self: where_rule,
     aten.where.ScalarOther: where_rule,
     aten.where.ScalarSelf: where_rule,
+    aten.triu.default: triangle_rule,
+    aten.tril.default: triangle_rule,
     aten.masked_fill.Scalar: masked_fill_rule,
     aten.masked_fill.Tensor: masked_fill_rule,
     aten.lerp.Scalar: lerp_rule,

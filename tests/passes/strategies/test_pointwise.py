@@ -186,6 +186,9 @@ CASES: list[Case] = [
          expect=("S(2),S(0)->S(2)", "S(0),R->S(0)")),
     case("masked_fill.Tensor", aten.masked_fill.Tensor, X, MASK, SCALAR,
          partial=("P,R,P->P",)),
+    # triu / tril: the last two dims whole (which elements survive depends on both)
+    case("triu", aten.triu.default, X, 1, partial=("P->P",), expect=("S(0)->S(0)",)),
+    case("tril", aten.tril.default, X, partial=("P->P",), expect=("S(0)->S(0)",)),
     case("lerp", aten.lerp.Scalar, X, Y, 0.3, partial=("P,P->P",)),
     case("lerp.Tensor", aten.lerp.Tensor, X, Y, ROW, partial=("P,P,R->P",)),
     # casts and copies: partial only float to float
