@@ -3,12 +3,14 @@
 GPT-2 small's shape (4 layers, Megatron-style explicit attention, whose T x T scores are
 candidates next to the MLP's activation) on one H100, bf16 mixed precision, one
 microbatch: as the limit leaves less of the plain plan's activations, the planner
-recomputes selected regions first (what the costs favour), then whole layers; the estimated step time never falls; every plan fits its
-limit; below the floor the error says how much memory a device would need.
+recomputes selected regions first (what the costs favour), then whole layers; the
+estimated step time never falls; every plan fits its limit; below the floor the error
+says how much memory a device would need.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -42,7 +44,7 @@ def test_every_plan_fits_its_limit(sweep):
 
 def test_step_time_rises_as_the_limit_falls(sweep):
     times = [plan.estimate.step_time_s for _, plan in sweep[-1]]
-    assert all(b >= a * (1 - 1e-9) for a, b in zip(times, times[1:], strict=False))
+    assert all(b >= a * (1 - 1e-9) for a, b in itertools.pairwise(times))
     assert times[-1] > times[0]
 
 
