@@ -151,7 +151,20 @@ def group_axes(mesh: MeshSpec) -> list[tuple[tuple[int, ...], ...]]:
     (axes of size 1 ride along with a neighbour)."""
     big = [a for a, size in enumerate(mesh.shape) if size > 1]
     if len(big) <= 2:
-        return [tuple((a,) for a in range(mesh.ndim))]
+        if len(big) == mesh.ndim:
+            return [tuple((a,) for a in range(mesh.ndim))]
+        # an axis of size 1 (a pipeline stage's share of the outer axis) would multiply
+        # every op's strategies for nothing: it joins the next axis of size > 1
+        groups: list[tuple[int, ...]] = []
+        pending: list[int] = []
+        for axis, size in enumerate(mesh.shape):
+            pending.append(axis)
+            if size > 1:
+                groups.append(tuple(pending))
+                pending = []
+        if pending:
+            groups = [*groups[:-1], (*groups[-1], *pending)] if groups else [tuple(pending)]
+        return [tuple(groups)]
     groupings = []
     for cut in big[1:]:
         groupings.append((tuple(range(cut)), tuple(range(cut, mesh.ndim))))

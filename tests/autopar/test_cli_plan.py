@@ -94,6 +94,8 @@ def test_codegen_prints_one_ranks_code_with_its_collectives():
         "h100-sxm",
         "--rank",
         "3",
+        "--stages",
+        "1",  # one program (a pipeline plan prints one per stage: test_stage_split.py)
     )
     assert result.returncode == 0, result.stderr
     assert "rank 3 at mesh coordinates {'dp': 1, 'tp': 1}" in result.stdout
