@@ -674,9 +674,9 @@ class _Context:
         for hint in kept:
             for decision, ks in self._of(hint).items():
                 union.setdefault(decision, set()).update(ks)
-        empty = [
+        empty = sorted(  # sorted: the message reads the same on every run
             d for d, ks in union.items() if len(ks) >= len(self.decisions.decisions[d].strategies)
-        ]
+        )
         return empty or None
 
     def describe(self, decision: str) -> str:
