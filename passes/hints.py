@@ -43,6 +43,7 @@ from passes.decisions import Decisions, group_decisions
 from passes.layer_sharing import layer_representatives
 from passes.pipeline.search import PipelineRequest, plan_pipeline
 from passes.plan_build import MATMULS, is_residual_add
+from passes.recompute import RecomputeHint
 from passes.solve import Constraint, Constraints, group_axes, grouped_mesh, no_constraints
 from passes.strategies.graph import NodeChoices, graph_choices, tensor_inputs
 from passes.strategies.types import Strategy
@@ -62,7 +63,15 @@ from plans.units import format_bytes
 
 EMBEDDINGS = {"aten.embedding.default"}
 # the hints that constrain the plan; a conflict is a set of these
-CONSTRAINING = ("shard", "replicate", "ban", "memory_limit", "pipeline")
+CONSTRAINING = (
+    "shard",
+    "replicate",
+    "ban",
+    "memory_limit",
+    "pipeline",
+    "recompute",
+    "no_recompute",
+)
 
 
 @dataclass(frozen=True)
@@ -121,6 +130,13 @@ class ResolvedHints:
             request.solve, constraints=self.constraints(request.solve.constraints, kept)
         )
         kinds = {h.kind for h in kept}
+        recompute = tuple(
+            RecomputeHint(tuple(self.recompute[h]), h.kind == "recompute", str(h))
+            for h in kept
+            if h.kind in ("recompute", "no_recompute")
+        )
+        if recompute:
+            solve = replace(solve, recompute_hints=recompute)
         if "memory_limit" in kinds:
             solve = replace(solve, memory_limit=self.hints.memory_limit_bytes)
         request = replace(request, solve=solve)
@@ -190,12 +206,6 @@ def resolve_hints(hints: Hints, traced: TracedModel, mesh: MeshSpec) -> Resolved
                 raise HintError(_no_match(hint, "module", modules))
             resolved.recompute[hint] = matched
     _check_pipeline(hints, mesh, layers)
-    if resolved.recompute:
-        first = next(iter(resolved.recompute))
-        raise HintError(
-            f"{first}: recompute hints are not supported yet: the planner takes no forced or "
-            "forbidden recomputation; remove recompute/no_recompute from the hints"
-        )
     return resolved
 
 

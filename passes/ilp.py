@@ -237,9 +237,11 @@ def _add_recompute(
     binaries per region."""
     freed: list[object] = []
     flags: dict[str, list[pulp.LpVariable]] = {}
+    terms = problem.recompute
     if problem.memory_limit is None:
-        return freed, flags  # recomputing only costs time when memory does not bind
-    for t, term in enumerate(problem.recompute):
+        # recomputing only costs time when memory does not bind: only what hints force
+        terms = [term for term in terms if term.forced]
+    for t, term in enumerate(terms):
         # y in GiB, like the memory row: a coefficient of 1/2^30 on it would fall below
         # HiGHS's smallest matrix value (1e-9) and be dropped
         saving = pulp.lpSum(
@@ -270,7 +272,7 @@ def _add_recompute(
             freed.append(y)
             objective.append(term.weight * w)
             flags[term.name].append(r)
-    for term in problem.recompute:
+    for term in terms:
         if term.excludes and term.excludes in flags:
             for mine, full in zip(flags[term.name], flags[term.excludes], strict=True):
                 model += mine + full <= 1

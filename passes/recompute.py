@@ -28,6 +28,7 @@ what stays inside the region is.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,7 @@ from passes.annotation import META_KEY
 from passes.costs import CostModel
 from passes.decisions import Decisions
 from passes.ilp import RecomputeTerm
+from plans.errors import HintError
 
 # element-wise ops that make wide activations cheaply
 SELECTIVE_OPS = {
@@ -75,6 +77,7 @@ class Region:
     forward: dict[str, list[float]] = field(default_factory=dict)
     saving_bound: float = 0.0
     forward_bound: float = 0.0
+    forced: bool | None = None  # a hint's: True recompute every copy, False none
 
 
 def find_regions(
@@ -277,6 +280,60 @@ def recompute_terms(regions: list[Region], microbatches: int) -> list[RecomputeT
             forward_bound=r.forward_bound,
             weight=float(microbatches),
             excludes=None if r.kind == "full" else full.get(tuple(sorted(r.copies))),
+            forced=r.forced,
         )
         for r in regions
     ]
+
+
+@dataclass(frozen=True)
+class RecomputeHint:
+    """``recompute`` (``force``) or ``no_recompute`` of the modules a hint matched."""
+
+    modules: tuple[str, ...]
+    force: bool
+    label: str  # the hint as the user wrote it, with its file and line
+
+
+def apply_recompute_hints(
+    regions: list[Region], hints: Sequence[RecomputeHint], graph: torch.fx.Graph
+) -> None:
+    """Set ``Region.forced`` from the hints (constraints of the ILP, ``RecomputeTerm``).
+
+    ``recompute: [M]`` forces, in every layer class whose copies lie inside a module of
+    ``M``, the largest candidate inside it (the whole layer if ``M`` is a layer, the
+    selective region if ``M`` is, say, an MLP); ``no_recompute: [M]`` forbids every
+    candidate that touches a module of ``M``. Identical layers share one set of variables
+    (``passes.layer_sharing``), so a hint must take all copies of a class or none."""
+    module_of = {n.name: n.meta[META_KEY].module or "" for n in graph.nodes}
+
+    def inside(name: str, modules: tuple[str, ...]) -> bool:
+        module = module_of.get(name, "")
+        return any(module == m or module.startswith(m + ".") for m in modules)
+
+    for hint in hints:
+        affected: list[Region] = []
+        for region in regions:
+            test = all if hint.force else any
+            hit = [test(inside(n, hint.modules) for n in names) for names in region.copies.values()]
+            if any(hit) and not all(hit):
+                raise HintError(
+                    f"{hint.label}: it takes {sum(hit)} of the {len(hit)} identical layers of "
+                    f"{region.name}, which are planned together; name them all (a glob such "
+                    "as layers.*) or none"
+                )
+            if all(hit):
+                affected.append(region)
+        if hint.force:
+            affected = [r for r in affected if len(r.nodes) == max(len(a.nodes) for a in affected)]
+        if not affected:
+            raise HintError(
+                f"{hint.label}: no recompute candidate (a layer, or a run of "
+                "cheap element-wise ops with the matmul after it) lies inside it"
+            )
+        for region in affected:
+            if region.forced is not None and region.forced != hint.force:
+                raise HintError(
+                    f"{hint.label}: it contradicts another recompute hint on {region.name}"
+                )
+            region.forced = hint.force

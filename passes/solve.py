@@ -28,7 +28,13 @@ from passes.decisions import Decisions, group_decisions
 from passes.ilp import IlpProblem, solve_ilp
 from passes.layer_sharing import layer_representatives
 from passes.problem import ProblemParts, build_problem, unmerged_size
-from passes.recompute import Region, find_regions, recompute_terms
+from passes.recompute import (
+    RecomputeHint,
+    Region,
+    apply_recompute_hints,
+    find_regions,
+    recompute_terms,
+)
 from passes.strategies.graph import NodeChoices, graph_choices
 from passes.strategies.types import Strategy
 from passes.trace import TracedModel
@@ -61,6 +67,7 @@ class SolveRequest:
     zero_levels: tuple[int, ...] = (0, 1, 2)
     microbatches: int = 1  # per step: weighs per-microbatch time against per-step sync
     batch_scale: float = 1.0  # activations' share of the traced batch (see CostModel)
+    recompute_hints: tuple[RecomputeHint, ...] = ()  # forced or forbidden (hints)
 
 
 @dataclass
@@ -208,9 +215,10 @@ def _solve(
         )
         regions = (
             find_regions(traced.graph, decisions, cost, representatives)
-            if limit is not None
+            if limit is not None or request.recompute_hints
             else []
         )
+        apply_recompute_hints(regions, request.recompute_hints, traced.graph)
         parts.problem.recompute = recompute_terms(regions, request.microbatches)
         parts.problem.buckets = traced.layers.count if traced.layers else 1
         solution = solve_ilp(parts.problem, request.time_limit)

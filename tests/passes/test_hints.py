@@ -94,10 +94,6 @@ def spec(plan: Plan, name: str) -> str:
         ("mesh: {axes: [data, tp]}\n", "h.yaml:1: the hints name the mesh axes ['data', 'tp']"),
         ("pipeline:\n  stages: 4\n", "h.yaml:2: 4 pipeline stages but the model has 2 layers"),
         ("pipeline: {cuts: [0, 3]}\n", "cut at layer 3, but the model's layers are 0..1"),
-        (
-            "\nno_recompute: [layers.*.mlp]\n",
-            'h.yaml:2: no_recompute "layers.*.mlp": recompute hints are not supported yet',
-        ),
         ("recompute: [layers.*.mpl]\n", "matches no module; closest: layers.*.mlp"),
     ],
 )
@@ -336,3 +332,42 @@ def test_infeasible_without_the_hints_is_the_plain_error():
         plan_hinted(traced, mesh, hints, memory_limit=1000.0)
     assert not isinstance(error.value, HintConflictError)
     assert "does not fit in 1000 B per device" in str(error.value)
+
+
+def test_recompute_hints_force_the_layer_or_the_selective_region(llama):
+    """Forced with memory to spare: the whole layer for ``layers.*``, the MLP's activation
+    run for ``layers.*.mlp``; every copy, as the plan records."""
+    whole = plan_hinted(llama, MESH, hints_from_text("recompute: [layers.*]\n"), stages=1)
+    assert {r.kind for r in whole.recompute} == {"full"}
+    assert sorted(layer for r in whole.recompute for layer in r.layers) == [0, 1]
+    assert whole.estimate.recompute_s > 0
+    mlp = plan_hinted(llama, MESH, hints_from_text("recompute: [layers.*.mlp]\n"), stages=1)
+    assert mlp.recompute and all(r.kind == "selective" for r in mlp.recompute)
+    modules = {n.name: n.meta["autopar"].module for n in llama.graph.nodes if "autopar" in n.meta}
+    for region in mlp.recompute:
+        assert all(modules[n].startswith("layers.") and ".mlp" in modules[n] for n in region.nodes)
+    free = plan_hinted(llama, MESH, hints_from_text("pipeline: {stages: 1}\n"))
+    assert not free.recompute  # without the hint nothing is recomputed
+
+
+def test_no_recompute_hint_forbids_what_the_limit_would_choose(llama):
+    plain = plan_hinted(llama, MESH, hints_from_text("pipeline: {stages: 1}\n"))
+    memory = plain.estimate.memory_per_device_bytes
+    limit = memory.total - 0.3 * memory.activations
+    tight = plan_hinted(llama, MESH, hints_from_text("pipeline: {stages: 1}\n"), memory_limit=limit)
+    assert any(r.kind == "full" for r in tight.recompute)
+    text = "pipeline: {stages: 1}\nno_recompute: [layers.*]\n"
+    forbidden = plan_hinted(llama, MESH, hints_from_text(text, "h.yaml"), memory_limit=limit)
+    assert not forbidden.recompute  # it fits some other way (more sharding), if slower
+    assert forbidden.estimate.memory_per_device_bytes.total <= limit
+    assert forbidden.estimate.step_time_s >= tight.estimate.step_time_s * (1 - 1e-9)
+
+
+def test_a_recompute_hint_on_some_of_identical_layers_is_refused():
+    """Layers 1 and 2 of a 3-layer Llama are one class (layer 0 computes the rotary table):
+    planned together, so a hint takes both or neither."""
+    model, inputs = build("llama-tiny", device="meta", n_layer=3)
+    traced = trace(model, inputs)
+    hints = hints_from_text("recompute: [layers.1]\n", "h.yaml")
+    with pytest.raises(HintError, match="takes 1 of the 2 identical layers"):
+        plan_hinted(traced, MESH, hints, stages=1)
