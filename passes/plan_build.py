@@ -14,11 +14,12 @@ from cost_model.reshard import Reshard
 from cost_model.step import exposed_gradient_sync, mfu
 from passes.annotation import META_KEY
 from passes.costs import dual, zero_layout_of
+from passes.experts import expert_matmul
 from passes.solve import Solved
 from passes.strategies.graph import NodeChoices
 from passes.trace import TracedModel
 from plans.mesh import MeshSpec
-from plans.placement import Layout, Replicate, Shard
+from plans.placement import REPLICATE, Layout, Replicate, Shard
 from plans.plan import (
     Estimate,
     MemoryBreakdown,
@@ -41,12 +42,17 @@ MATMULS = {
 }
 
 
-def expand_layout(layout: Layout, groups: tuple[tuple[int, ...], ...]) -> Layout:
+def expand_layout(
+    layout: Layout, groups: tuple[tuple[int, ...], ...], mesh_shape: tuple[int, ...]
+) -> Layout:
     """A layout on a grouped mesh as the same layout on the mesh's own axes: each grouped
-    axis's placement on every axis of its group (``passes.solve.group_axes``)."""
-    if len(groups) == len(layout) and all(len(g) == 1 for g in groups):
-        return layout
-    return Layout(*(layout[i] for i, group in enumerate(groups) for _ in group))
+    axis's placement on every axis of its group (``passes.solve.group_axes``); on an axis
+    of one device every placement is the whole tensor, written ``Replicate`` (a shard of
+    one, or a partial sum of one term, would make the lowering split or sum for nothing)."""
+    placements = [layout[i] for i, group in enumerate(groups) for _ in group]
+    return Layout(
+        *(REPLICATE if size == 1 else p for p, size in zip(placements, mesh_shape, strict=True))
+    )
 
 
 def build_plan(
@@ -81,9 +87,7 @@ def build_plan(
         solver=solved.report,
         warnings=tuple(solved.warnings + traced.warnings),
     )
-    if mesh is None or mesh == plan.mesh:
-        return plan
-    return _on_mesh(plan, mesh, solved.axis_groups)
+    return _on_mesh(plan, mesh or plan.mesh, solved.axis_groups)
 
 
 def _recompute_regions(
@@ -121,7 +125,7 @@ def _on_mesh(plan: Plan, mesh: MeshSpec, groups: tuple[tuple[int, ...], ...]) ->
     """The same plan with every layout expanded from the grouped mesh onto ``mesh``."""
 
     def expand(layout: Layout | None) -> Layout | None:
-        return None if layout is None else expand_layout(layout, groups)
+        return None if layout is None else expand_layout(layout, groups, mesh.shape)
 
     params = {
         name: p.model_copy(
@@ -189,16 +193,30 @@ def _parallelism(
     token dim (the batch, or the sequence of a single long sample: data parallelism over
     tokens); tensor-parallel when most have their weight sharded on it and the activation
     not; sequence-parallel when, on a tensor-parallel axis, residual adds are sharded on
-    dim 1 (the sequence) between the tensor-parallel matmuls.
+    dim 1 (the sequence) between the tensor-parallel matmuls. Expert matmuls
+    (``passes.experts``) are counted apart: an axis is expert-parallel when most of their
+    FLOPs have the expert weight sharded on its expert dim; dp and tp are read off the
+    other matmuls.
     """
     mesh_shape = solved.cost.mesh_shape
     batch, weight, total = Counter(), Counter(), 0
+    experts, expert_total = Counter(), 0
+    expert_dim: dict[str, int] = {}  # expert weight -> its expert dim
     for node in traced.graph.nodes:
         note = node.meta[META_KEY]
         if note.op not in MATMULS or node.name not in solved.decisions.bindings:
             continue
         strategy = solved.strategy(node.name)
         if len(strategy.inputs) < 2:
+            continue
+        choices = solved.decisions.choices[node.name]
+        found = expert_matmul(choices)
+        if found is not None:
+            expert_dim[str(choices.params[found.weight])] = found.weight_dim
+            expert_total += note.fwd_flops
+            for axis in range(len(mesh_shape)):
+                if strategy.inputs[found.weight][axis] == Shard(found.weight_dim):
+                    experts[axis] += note.fwd_flops
             continue
         # addmm and baddbmm take the added tensor first: (bias, activation, weight)
         act, wgt = (1, 2) if note.op in ADDED_FIRST else (0, 1)
@@ -212,12 +230,24 @@ def _parallelism(
                 batch[axis] += flops
             if isinstance(strategy.inputs[wgt][axis], Shard) and not on_tokens:
                 weight[axis] += flops
+    # an axis of one device parallelises nothing, whatever its placements say
+    for counter in (batch, weight, experts):
+        for axis, size in enumerate(mesh_shape):
+            if size == 1:
+                counter.pop(axis, None)
     dp_axes = [a for a in range(len(mesh_shape)) if total and batch[a] * 2 > total]
     tp_axes = [
         a for a in range(len(mesh_shape)) if total and weight[a] * 2 > total and a not in dp_axes
     ]
+    ep_axes = [a for a in range(len(mesh_shape)) if expert_total and experts[a] * 2 > expert_total]
     sp = any(_sequence_sharded(traced, solved, a) for a in tp_axes)
-    fsdp = any(isinstance(p.param[a], Shard) for p in params.values() for a in dp_axes)
+    # experts stored split on their expert dim over an ep axis are not FSDP: used in place
+    fsdp = any(
+        isinstance(p.param[a], Shard)
+        and not (name in expert_dim and a in ep_axes and p.param[a] == Shard(expert_dim[name]))
+        for name, p in params.items()
+        for a in dp_axes
+    )
 
     def product(axes: list[int]) -> int:
         size = 1
@@ -229,6 +259,7 @@ def _parallelism(
         dp=product(dp_axes),
         tp=product(tp_axes),
         sp=product(tp_axes) if sp else 1,
+        ep=product(ep_axes),
         zero=3 if fsdp else solved.zero,
         microbatches=microbatches,
     )
@@ -279,8 +310,12 @@ def _estimate(
     flops = float(sum(a.fwd_flops + a.bwd_flops for a in notes)) * microbatches
     mesh = solved.cost.mesh_cost.mesh
     peak = peak_flops(solved.cost.mesh_cost.preset, solved.cost.compute_dtype) or 1.0
-    sent_edges, collectives = _edge_traffic(traced, solved)
-    sent = sent_edges * microbatches + _sync_bytes(solved, params)
+    sent_edges, collectives, by_kind = _edge_traffic(traced, solved)
+    sync_bytes = _sync_bytes(solved, params)
+    sent = sent_edges * microbatches + sync_bytes
+    sent_by_kind = {kind: nbytes * microbatches for kind, nbytes in by_kind.items()}
+    if sync_bytes:
+        sent_by_kind["gradient_sync"] = sync_bytes
     return Estimate(
         step_time_s=step,
         flops_per_step=flops,
@@ -297,15 +332,20 @@ def _estimate(
         comm_s=(inline + overlap_edges) * microbatches + sync,
         exposed_comm_s=inline * microbatches + hidden,
         collectives=collectives,
+        comm_bytes_by_kind=sent_by_kind,
     )
 
 
-def _edge_traffic(traced: TracedModel, solved: Solved) -> tuple[float, dict[str, int]]:
-    """Bytes a device sends per microbatch for resharding (forward and backward), and the
-    forward collectives by kind, one per (tensor, layout) as the lowering shares them."""
+def _edge_traffic(
+    traced: TracedModel, solved: Solved
+) -> tuple[float, dict[str, int], dict[str, float]]:
+    """Bytes a device sends per microbatch for resharding (forward and backward), the
+    forward collectives by kind, one per (tensor, layout) as the lowering shares them, and
+    the bytes by collective kind."""
     mesh_cost = solved.cost.mesh_cost
     total = 0.0
     counts: Counter[str] = Counter()
+    by_kind: Counter[str] = Counter()
     seen: set[tuple[str, int, Layout]] = set()
     for node in traced.graph.nodes:
         if node.name not in solved.decisions.bindings:
@@ -330,9 +370,15 @@ def _edge_traffic(traced: TracedModel, solved: Solved) -> tuple[float, dict[str,
             forward = mesh_cost.reshard(src, dst, info.shape, itemsize)
             total += forward.sent
             counts.update(_per_axis_counts(forward))
+            steps = list(forward.steps)
             if note.requires_grad:
-                total += mesh_cost.reshard(dual(dst), dual(src), info.shape, itemsize).sent
-    return total, dict(counts)
+                backward = mesh_cost.reshard(dual(dst), dual(src), info.shape, itemsize)
+                total += backward.sent
+                steps += backward.steps
+            for step in steps:
+                if step.sent:
+                    by_kind[step.kind] += step.sent
+    return total, dict(counts), dict(by_kind)
 
 
 def _per_axis_counts(reshard: Reshard) -> Counter[str]:

@@ -144,6 +144,7 @@ def trace(
         args, kwargs = _to_meta((args, kwargs))
     start = time.perf_counter()
     exported = _export(model, args, kwargs)
+    _check_static_shapes(exported.graph_module.graph)
     decompose_for_sharding(exported.graph_module)
     signature = exported.graph_signature
     names_of = _tied_names(model)
@@ -191,6 +192,26 @@ def trace(
         warnings=warnings,
         reshaped=reshaped,
     )
+
+
+def _check_static_shapes(graph: torch.fx.Graph) -> None:
+    """torch.export traces an op whose output size depends on the data (``torch.where(mask)``,
+    ``nonzero``, ``x[mask]``) with an unbacked size; autopar costs and shards fixed shapes."""
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        for tensor in val if isinstance(val, list | tuple) else (val,):
+            if isinstance(tensor, torch.Tensor) and not all(
+                isinstance(size, int) for size in tensor.shape
+            ):
+                where = module_path(node) or "(root)"
+                raise UntraceableModelError(
+                    f"cannot plan the model: {node.target} in module '{where}' makes a tensor "
+                    f"whose size depends on the data ({tuple(tensor.shape)}), as torch.where"
+                    "(mask), nonzero and x[mask] do. autopar plans fixed shapes: give it a "
+                    "fixed size (for a sparse mixture of experts, a fixed capacity per "
+                    "expert: topk over the routed mask, as examples/models/moe_sparse.py "
+                    "does)"
+                )
 
 
 def _model_device(model: nn.Module) -> torch.device | None:

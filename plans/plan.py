@@ -77,6 +77,11 @@ class Estimate(_Frozen):
         default_factory=dict,
         description="Collectives the forward pass of one microbatch runs, by kind.",
     )
+    comm_bytes_by_kind: dict[str, float] = Field(
+        default_factory=dict,
+        description="comm_bytes_per_step by kind: each collective kind's bytes (forward and "
+        "backward reshards), and 'gradient_sync'.",
+    )
 
 
 class ParamPlan(_Frozen):

@@ -116,6 +116,13 @@ def summary_of(plan: Plan) -> Table:
         f"{format_seconds(e.exposed_comm_s)} of {format_seconds(e.comm_s)})",
     )
     summary.add_row("MFU", f"{100 * e.mfu:.1f}%")
+    if e.comm_bytes_per_step:
+        kinds = sorted(e.comm_bytes_by_kind.items(), key=lambda item: -item[1])
+        parts = ", ".join(f"{kind} {format_bytes(nbytes)}" for kind, nbytes in kinds)
+        summary.add_row(
+            "sent / device",
+            f"{format_bytes(e.comm_bytes_per_step)} per step" + (f": {parts}" if parts else ""),
+        )
     m = e.memory_per_device_bytes
     limit = f" of {format_bytes(plan.memory_limit_bytes)}" if plan.memory_limit_bytes else ""
     summary.add_row(

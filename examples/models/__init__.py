@@ -30,6 +30,7 @@ from examples.models.presets import (
     llama3_70b,
     llama_tiny,
     mixtral_8x7b,
+    mixtral_sparse_tiny,
     mlp_tiny,
     moe_tiny,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "llama3_70b",
     "llama_tiny",
     "mixtral_8x7b",
+    "mixtral_sparse_tiny",
     "mlp",
     "mlp_tiny",
     "moe",

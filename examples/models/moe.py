@@ -9,16 +9,28 @@
 Routing follows GShard (Lepikhin et al. 2020, Algorithm 1) with dense tensors of fixed
 shape, so ``torch.export`` sees no data-dependent shape:
 
-- each sequence of T tokens is one group (GShard's G groups of S tokens); capacity is per
-  group and per expert, ``C = min(T, ceil(capacity_factor * top_k * T / n_experts))``
-  (more than T slots could never be filled: a token picks an expert at most once);
+- the B x T tokens are cut into G groups of S consecutive tokens (``group_size``; default
+  one sequence per group, G = B); capacity is per group and per expert,
+  ``C = min(S, ceil(capacity_factor * top_k * S / n_experts))`` (more than S slots could
+  never be filled: a token picks an expert at most once);
 - a token's i-th choice takes the next free slot of its expert, first choices of the whole
   group before any second choice; a choice with no slot left is dropped: it contributes
-  zero, and the token keeps only the residual if all its choices are dropped;
-- ``dispatch`` (B, T, E, C) is 1 where token t sits in slot c of expert e; ``combine`` is the
-  same times the token's gate. Top-1 (Switch) gates are the router probability; top-k > 1
-  gates are the chosen probabilities renormalised to sum to 1 (GShard, Mixtral);
-- experts are stacked weights, run as one batched matmul over the expert dim.
+  zero, and the token keeps only the residual if all its choices are dropped. Which tokens
+  are dropped depends only on the group's router probabilities, never on the device;
+- ``dispatch`` (G, S, E, C) is 1 where token s sits in slot c of expert e; ``combine`` is
+  the same times the token's gate. ``top_k=1`` is Switch Transformer (the gate is the
+  router probability); ``top_k=2`` is GShard's top-2 (the two gates renormalised to sum
+  to 1, as GShard and Mixtral do; GShard's random second-expert dispatch is left out, so
+  that routing is deterministic);
+- dispatch and combine are GShard's einsums, ``gsec,gsd->egcd`` and ``gsec,egcd->gsd``, and
+  the experts are stacked weights run as one batched matmul over the expert dim
+  (``egcd,edf->egcf``). Nothing here names a parallelism: the einsum rules let a mesh axis
+  shard the group dim g (data parallel) or the expert dim e (expert parallel), and going
+  from one to the other between dispatch and experts is the all-to-all of expert
+  parallelism (``docs/ARCHITECTURE.md``, "Mixture-of-experts").
+
+``dispatch="index"`` swaps the block for Mixtral's sparse routing as Hugging Face writes it
+(``examples.models.moe_sparse``).
 
 The auxiliary load-balancing loss is Switch Transformer's (Fedus et al. 2021, eq. 4):
 ``E * sum_e f_e * p_e`` with f_e the fraction of tokens whose first choice is e and p_e the
@@ -30,7 +42,7 @@ Parameters (untied): ``2 V h + h + l (2 h^2 + 2 h h_kv + E (3 h f + h) + 2 h)``;
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +73,12 @@ class MoEConfig(LlamaConfig):
     """Slots per expert, as a multiple of a perfectly balanced share of top_k * T tokens."""
     aux_loss_weight: float = 0.01
     """Weight of the load-balancing loss (Switch Transformer's alpha)."""
+    group_size: int | None = None
+    """Tokens per routing group (GShard's S): capacity and drops are per group. None: one
+    sequence per group. Must divide batch x sequence length."""
+    dispatch: Literal["einsum", "index"] = "einsum"
+    """``einsum``: GShard's dense dispatch and combine (this module); ``index``: Mixtral's
+    sparse block with index_select / index_add per expert (``moe_sparse``)."""
 
     def __post_init__(self) -> None:
         LlamaConfig.__post_init__(self)  # zero-argument super() fails in slotted dataclasses
@@ -69,13 +87,17 @@ class MoEConfig(LlamaConfig):
             raise UsageError(f"MoEConfig: top_k={self.top_k} > n_experts={self.n_experts}")
         if self.capacity_factor <= 0 or self.aux_loss_weight < 0:
             raise UsageError("MoEConfig: capacity_factor must be > 0, aux_loss_weight >= 0")
+        if self.group_size is not None and self.group_size < 1:
+            raise UsageError(f"MoEConfig: group_size={self.group_size} must be >= 1")
+        if self.dispatch not in ("einsum", "index"):
+            raise UsageError(f"MoEConfig: dispatch={self.dispatch!r}: 'einsum' or 'index'")
 
 
 class Routing(NamedTuple):
-    """Where each token goes; shapes (B, T, E, C) but ``first_choice`` (B, T, E)."""
+    """Where each token goes; shapes (G, S, E, C) but ``first_choice`` (G, S, E)."""
 
     dispatch: torch.Tensor
-    """1.0 where token t occupies slot c of expert e, else 0.0."""
+    """1.0 where token s occupies slot c of expert e, else 0.0."""
     combine: torch.Tensor
     """``dispatch`` times the token's gate for that expert."""
     first_choice: torch.Tensor
@@ -92,33 +114,34 @@ def expert_capacity(tokens: int, n_experts: int, top_k: int, capacity_factor: fl
 
 
 def route(probs: torch.Tensor, top_k: int, capacity: int) -> Routing:
-    """Dispatch and combine tensors for router probabilities ``probs`` (B, T, E).
+    """Dispatch and combine tensors for router probabilities ``probs`` (G, S, E).
 
     The dense formulation of GShard's Algorithm 1, for any top_k; see the module docstring.
     """
-    B, T, E = probs.shape
-    gates, experts = probs.topk(top_k, dim=-1)  # (B, T, k) each
+    G, S, E = probs.shape
+    gates, experts = probs.topk(top_k, dim=-1)  # (G, S, k) each
     if top_k > 1:
-        gates = gates / gates.sum(dim=-1, keepdim=True)  # (B, T, k)
+        gates = gates / gates.sum(dim=-1, keepdim=True)  # (G, S, k)
     expert_ids = torch.arange(E, device=probs.device)  # (E,)
     slot_ids = torch.arange(capacity, device=probs.device)  # (C,)
-    dispatch = probs.new_zeros(B, T, E, capacity)  # (B, T, E, C)
-    combine = probs.new_zeros(B, T, E, capacity)  # (B, T, E, C)
-    taken = torch.zeros(B, 1, E, dtype=torch.long, device=probs.device)  # slots used so far
+    dispatch = probs.new_zeros(G, S, E, capacity)  # (G, S, E, C)
+    combine = probs.new_zeros(G, S, E, capacity)  # (G, S, E, C)
+    taken = torch.zeros(G, 1, E, dtype=torch.long, device=probs.device)  # slots used so far
     for i in range(top_k):
-        chosen = (experts[..., i, None] == expert_ids).long()  # (B, T, E) one-hot
-        position = taken + chosen.cumsum(dim=1) - 1  # (B, T, E) slot if kept
-        kept = chosen * (position < capacity).long()  # (B, T, E)
-        taken = taken + kept.sum(dim=1, keepdim=True)  # (B, 1, E)
-        slot = (position[..., None] == slot_ids) & kept[..., None].bool()  # (B, T, E, C)
+        chosen = (experts[..., i, None] == expert_ids).long()  # (G, S, E) one-hot
+        position = taken + chosen.cumsum(dim=1) - 1  # (G, S, E) slot if kept
+        kept = chosen * (position < capacity).long()  # (G, S, E)
+        taken = taken + kept.sum(dim=1, keepdim=True)  # (G, 1, E)
+        slot = (position[..., None] == slot_ids) & kept[..., None].bool()  # (G, S, E, C)
         dispatch = dispatch + slot.to(probs.dtype)
         combine = combine + slot.to(probs.dtype) * gates[..., i, None, None]
-    first_choice = (experts[..., 0, None] == expert_ids).to(probs.dtype)  # (B, T, E)
+    first_choice = (experts[..., 0, None] == expert_ids).to(probs.dtype)  # (G, S, E)
     return Routing(dispatch, combine, first_choice)
 
 
 def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor) -> torch.Tensor:
-    """Switch Transformer's ``E * sum_e f_e * p_e`` over all tokens; 0-d; 1.0 if balanced."""
+    """Switch Transformer's ``E * sum_e f_e * p_e`` over all tokens of ``probs`` and
+    ``first_choice`` (both (G, S, E)); 0-d; 1.0 if balanced."""
     E = probs.shape[-1]
     f = first_choice.mean(dim=(0, 1))  # (E,) fraction of tokens whose first choice is e
     p = probs.mean(dim=(0, 1))  # (E,) mean router probability of e
@@ -137,10 +160,10 @@ class Experts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(E, f, d, **factory))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: (B, E, C, d), the tokens in each expert's slots
-        gate = torch.einsum("becd,edf->becf", x, self.w_gate)  # (B, E, C, f)
-        up = torch.einsum("becd,edf->becf", x, self.w_up)  # (B, E, C, f)
-        return torch.einsum("becf,efd->becd", F.silu(gate) * up, self.w_down)  # (B, E, C, d)
+        # x: (E, G, C, d), the tokens in each expert's slots
+        gate = torch.einsum("egcd,edf->egcf", x, self.w_gate)  # (E, G, C, f)
+        up = torch.einsum("egcd,edf->egcf", x, self.w_up)  # (E, G, C, f)
+        return torch.einsum("egcf,efd->egcd", F.silu(gate) * up, self.w_down)  # (E, G, C, d)
 
 
 class MoE(nn.Module):
@@ -149,25 +172,48 @@ class MoE(nn.Module):
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
-        self.capacity_factor = cfg.capacity_factor
+        self.capacity_factor, self.group_size = cfg.capacity_factor, cfg.group_size
         factory = {"device": cfg.device, "dtype": cfg.dtype}
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False, **factory)
         self.experts = Experts(cfg)
 
-    def route_tokens(self, x: torch.Tensor) -> tuple[Routing, torch.Tensor]:
-        """Routing of x (B, T, C) and the router probabilities (B, T, E), float32."""
-        probs = F.softmax(self.router(x).float(), dim=-1)  # (B, T, E)
-        capacity = expert_capacity(x.shape[1], self.n_experts, self.top_k, self.capacity_factor)
+    def groups(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, d) as G groups of S consecutive tokens: (G, S, d)."""
+        B, T, d = x.shape
+        S = self.group_size or T
+        if (B * T) % S:
+            raise UsageError(f"MoE: group_size={S} does not divide {B} x {T} tokens")
+        return x.reshape(B * T // S, S, d)
+
+    def route_tokens(self, groups: torch.Tensor) -> tuple[Routing, torch.Tensor]:
+        """Routing of ``groups`` (G, S, d) and the router probabilities (G, S, E), float32."""
+        probs = F.softmax(self.router(groups).float(), dim=-1)  # (G, S, E)
+        S = groups.shape[1]
+        capacity = expert_capacity(S, self.n_experts, self.top_k, self.capacity_factor)
         return route(probs, self.top_k, capacity), probs
 
+    def dispatch_and_combine(self, groups: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Each token's gated sum of its experts' outputs: (G, S, d); 0 if all dropped."""
+        dispatch = routing.dispatch.to(groups.dtype)  # (G, S, E, C)
+        combine = routing.combine.to(groups.dtype)  # (G, S, E, C)
+        expert_in = torch.einsum("gsec,gsd->egcd", dispatch, groups)  # (E, G, C, d)
+        expert_out = self.experts(expert_in)  # (E, G, C, d)
+        return torch.einsum("gsec,egcd->gsd", combine, expert_out)  # (G, S, d)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        routing, probs = self.route_tokens(x)  # (B, T, E, C) tensors; (B, T, E)
-        dispatch = routing.dispatch.to(x.dtype)  # (B, T, E, C)
-        combine = routing.combine.to(x.dtype)  # (B, T, E, C)
-        expert_in = torch.einsum("btec,btd->becd", dispatch, x)  # (B, E, C, d)
-        expert_out = self.experts(expert_in)  # (B, E, C, d)
-        y = torch.einsum("btec,becd->btd", combine, expert_out)  # (B, T, d)
-        return y, load_balancing_loss(probs, routing.first_choice)
+        groups = self.groups(x)  # (G, S, d)
+        routing, probs = self.route_tokens(groups)  # (G, S, E, C) tensors; (G, S, E)
+        y = self.dispatch_and_combine(groups, routing)  # (G, S, d)
+        return y.reshape(x.shape), load_balancing_loss(probs, routing.first_choice)
+
+
+def moe_layer(cfg: MoEConfig) -> nn.Module:
+    """The MoE layer ``cfg.dispatch`` names: :class:`MoE`, or Mixtral's sparse block."""
+    if cfg.dispatch == "index":
+        from examples.models.moe_sparse import SparseMoE  # it imports this module
+
+        return SparseMoE(cfg)
+    return MoE(cfg)
 
 
 class MoEBlock(nn.Module):
@@ -179,7 +225,7 @@ class MoEBlock(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, **factory)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, **factory)
-        self.moe = MoE(cfg)
+        self.moe = moe_layer(cfg)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.attn(self.attn_norm(x))  # (B, T, C)

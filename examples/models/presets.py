@@ -106,6 +106,15 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
             vocab_size=64, seq_len=16, n_layer=2, n_head=8, n_kv_head=4, d_model=32,
             d_ff=64, n_experts=4, top_k=2, capacity_factor=1.25, batch_size=2,
         ),
+        # Mixtral's sparse block as Hugging Face writes it (index_select / index_add per
+        # expert, fixed shapes: examples/models/moe_sparse.py); capacity_factor
+        # n_experts / top_k gives every expert room for every token, so none is dropped.
+        "mixtral-sparse-tiny": _preset(
+            moe, "tests",
+            vocab_size=64, seq_len=16, n_layer=2, n_head=8, n_kv_head=4, d_model=32,
+            d_ff=64, n_experts=4, top_k=2, capacity_factor=2.0, batch_size=2,
+            dispatch="index",
+        ),
         "mlp-tiny": _preset(
             mlp, "tests", d_in=16, d_hidden=64, d_out=16, n_layers=3, batch_size=4
         ),
@@ -184,6 +193,11 @@ def llama_tiny(**overrides: Any) -> Built:
 def moe_tiny(**overrides: Any) -> Built:
     """A ~60k-parameter MoE transformer with 4 experts, top-2, for tests."""
     return build("moe-tiny", **overrides)
+
+
+def mixtral_sparse_tiny(**overrides: Any) -> Built:
+    """moe-tiny's sizes with Mixtral's sparse block (index_select / index_add), for tests."""
+    return build("mixtral-sparse-tiny", **overrides)
 
 
 def mlp_tiny(**overrides: Any) -> Built:

@@ -47,6 +47,9 @@ class NodeChoices:
     inputs: list[TensorInput]
     call: OpCall | None = None
     note: NodeAnnotation | None = None
+    # for an op: per tensor input, the parameter it reads directly (a parameter
+    # placeholder), else None; what ``passes.experts`` reads to find expert weights
+    params: tuple[str | None, ...] = ()
 
 
 def op_call(node: torch.fx.Node) -> OpCall:
@@ -144,8 +147,10 @@ def graph_choices(
         if not strategies:
             strategies = [replicate_all(call, mesh_shape)]
             unknown[str(node.target)] = unknown.get(str(node.target), 0) + 1
+        inputs = tensor_inputs(node)
+        params = tuple(_param_of(choices.get(i.producer)) for i in inputs)
         choices[node.name] = NodeChoices(
-            node.name, "op", strategies, tensor_inputs(node), call=call, note=note
+            node.name, "op", strategies, inputs, call=call, note=note, params=params
         )
     for op, count in unknown.items():
         warnings.append(
@@ -153,6 +158,12 @@ def graph_choices(
             "on every device"
         )
     return choices, warnings
+
+
+def _param_of(choices: NodeChoices | None) -> str | None:
+    if choices is None or choices.kind != "param" or choices.note is None:
+        return None
+    return choices.note.param
 
 
 def storage_layouts(info: TensorInfo, mesh_shape: tuple[int, ...]) -> list[Layout]:

@@ -19,11 +19,12 @@ from passes.strategies import (
     norm,
     pointwise,
     reduction,
+    scatter,
     view,
 )
 from passes.strategies.types import LocalKind, Rule
 
-FAMILIES = (matmul, pointwise, view, reduction, norm, attention, embedding, loss)
+FAMILIES = (matmul, pointwise, view, reduction, norm, attention, embedding, loss, scatter)
 
 
 @cache

@@ -1,4 +1,5 @@
-"""MoE routing: capacity, dropped tokens, top-1 and top-2 against a token-by-token loop."""
+"""MoE routing: capacity, dropped tokens, top-1 and top-2, groups, against a token-by-token
+loop; Mixtral's sparse block against Hugging Face's own loop."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import torch.nn.functional as F
 
 from examples.models import build
 from examples.models.moe import MoE, expert_capacity, route
+from examples.models.moe_sparse import SparseMoE
+from plans.errors import UsageError
 
 E, D = 4, 32  # moe-tiny: 4 experts, d_model 32
 
@@ -134,3 +137,88 @@ def test_aux_loss_trains_the_router() -> None:
     aux_loss.backward()
     for layer in model.layers:
         assert layer.moe.router.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_groups_of_tokens_route_each_group_on_its_own(top_k: int) -> None:
+    """group_size=8 cuts 2 sequences of 16 into 4 groups with their own capacity: the
+    same as routing each group as a sequence of its own."""
+    torch.manual_seed(0)
+    model, _ = build("moe-tiny", top_k=top_k, capacity_factor=0.5, group_size=8)
+    layer = model.layers[0].moe
+    x = torch.randn(2, 16, D)
+    with torch.no_grad():
+        y, _ = layer(x)
+        expected, dropped = loop_reference(layer, x.reshape(4, 8, D))
+    assert dropped.any()  # capacity 1 or 2 per group of 8: some tokens overflow
+    torch.testing.assert_close(y, expected.reshape(2, 16, D), rtol=1e-5, atol=1e-6)
+
+
+def test_group_size_must_divide_the_tokens() -> None:
+    model, (idx,) = build("moe-tiny", group_size=7)
+    with pytest.raises(UsageError, match="group_size=7"):
+        model(idx)
+
+
+def test_switch_top1_gate_is_the_router_probability_and_gshard_top2_gates_sum_to_one() -> None:
+    for top_k, expected in ((1, "max probability"), (2, "one")):
+        layer = moe_layer(top_k, capacity_factor=100.0)  # room for every token
+        x = torch.randn(2, 16, D)
+        with torch.no_grad():
+            routing, probs = layer.route_tokens(layer.groups(x))
+        gates = routing.combine.sum(dim=(2, 3))
+        want = probs.max(dim=-1).values if top_k == 1 else torch.ones_like(gates)
+        torch.testing.assert_close(gates, want, msg=expected)
+
+
+def hugging_face_mixtral(block: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """MixtralSparseMoeBlock.forward (transformers 4.x), with its data-dependent torch.where."""
+    B, T, d = x.shape
+    hidden = x.view(-1, d)
+    routing_weights = F.softmax(block.gate(hidden), dim=1, dtype=torch.float)
+    routing_weights, selected = torch.topk(routing_weights, block.top_k, dim=-1)
+    routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+    final = torch.zeros_like(hidden)
+    expert_mask = F.one_hot(selected, num_classes=block.n_experts).permute(2, 1, 0)
+    for e in range(block.n_experts):
+        idx, top_x = torch.where(expert_mask[e])
+        current = hidden[None, top_x].reshape(-1, d)
+        out = block.experts[e](current) * routing_weights[top_x, idx, None]
+        final.index_add_(0, top_x, out)
+    return final.reshape(B, T, d)
+
+
+def test_sparse_block_without_drops_is_hugging_face_mixtral() -> None:
+    torch.manual_seed(0)
+    model, _ = build("mixtral-sparse-tiny")
+    block = model.layers[0].moe
+    assert block.capacity(2 * 16) == 2 * 16  # capacity_factor = E / k: room for all
+    x = torch.randn(2, 16, D)
+    with torch.no_grad():
+        y, aux = block(x)
+        torch.testing.assert_close(y, hugging_face_mixtral(block, x), rtol=1e-5, atol=1e-6)
+    assert aux.shape == () and torch.isfinite(aux)
+
+
+def test_sparse_block_with_small_capacity_keeps_each_experts_first_tokens() -> None:
+    torch.manual_seed(0)
+    model, _ = build("mixtral-sparse-tiny", capacity_factor=0.25)
+    block = model.layers[0].moe
+    x = torch.randn(2, 16, D)
+    hidden = x.reshape(-1, D)
+    capacity = block.capacity(32)
+    with torch.no_grad():
+        y, _ = block(x)
+        probs = F.softmax(block.gate(hidden), dim=-1)
+        weights, selected = probs.topk(2, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        expected = torch.zeros_like(hidden)
+        kept = [0] * 4
+        for t in range(32):  # token order: an expert's first `capacity` tokens get in
+            for i in range(2):
+                e = int(selected[t, i])
+                if kept[e] < capacity:
+                    kept[e] += 1
+                    expected[t] += weights[t, i] * block.experts[e](hidden[t])
+    assert capacity < 16 and max(kept) == capacity  # some expert did overflow
+    torch.testing.assert_close(y.reshape(-1, D), expected, rtol=1e-5, atol=1e-6)
