@@ -158,7 +158,7 @@ def _show(key: str, value: float) -> str:
 
 
 def _stages(stages: list[list[int]]) -> str:
-    return ", ".join(f"{first}-{last}" for first, last in stages) or "none"
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in stages) or "none"
 
 
 def _fold(params: dict[str, list[str | None]]) -> list[tuple[str, str, str | None, str | None]]:

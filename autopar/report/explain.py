@@ -175,16 +175,17 @@ def _plan_choices(
             match = [
                 k
                 for k in range(count)
-                if expand_layout(decisions.strategy(name, k).outputs[0], groups) == want
+                if expand_layout(decisions.strategy(name, k).outputs[0], groups, mesh.shape) == want
             ]
         elif name in plan.ops:
             recorded = plan.ops[name]
             match = [
                 k
                 for k in range(count)
-                if expand_layout(decisions.strategy(name, k).outputs[0], groups) == recorded.output
+                if expand_layout(decisions.strategy(name, k).outputs[0], groups, mesh.shape)
+                == recorded.output
                 and tuple(
-                    None if i is None else expand_layout(i, groups)
+                    None if i is None else expand_layout(i, groups, mesh.shape)
                     for i in decisions.strategy(name, k).inputs
                 )
                 == recorded.inputs
@@ -228,14 +229,16 @@ def _option(
     strategy = decisions.strategy(node, k)
     note = decisions.choices[node].note
     axes = mesh.axis_names
-    output = expand_layout(strategy.outputs[0], groups)
+    output = expand_layout(strategy.outputs[0], groups, mesh.shape)
     if note is not None and note.kind == "param":
         layout = format_spec(output, axes, len(note.outputs[0].shape))
     else:
         call = decisions.choices[node].call
         shapes = [info.shape for info in call.inputs] if call is not None else []
         inputs = ", ".join(
-            "-" if layout is None else format_spec(expand_layout(layout, groups), axes, len(shape))
+            "-"
+            if layout is None
+            else format_spec(expand_layout(layout, groups, mesh.shape), axes, len(shape))
             for layout, shape in zip(strategy.inputs, shapes, strict=False)
         )
         ndim = len(note.outputs[0].shape) if note is not None and note.outputs else len(output)

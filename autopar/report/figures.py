@@ -82,23 +82,29 @@ def draw_timeline(ax: Axes, plan: Plan) -> None:
     ax.invert_yaxis()
     ax.set_xlim(0, span * scale * 1.01 if span else 1)
     ax.set_xlabel(f"time in one step ({unit}; gradient sync not shown)")
-    bubble = bubble_fraction(tasks, stages)
     what = (
         f"{stages} stages, {schedule}, {p.microbatches} microbatches"
         + (f", {p.chunks} chunks per device" if p.chunks > 1 else "")
         if stages > 1
         else f"no pipeline: {p.microbatches} microbatch(es), gradient accumulation"
     )
-    ax.set_title(f"Pipeline timeline: {what}; bubble {100 * bubble:.0f}%", loc="left", fontsize=11)
+    # the devices' idle share over the span: the bubble and any imbalance between stages
+    # (the plan's "pipeline bubble" is the time the step adds on top of the slowest stage)
+    idle = f"; devices idle {100 * bubble_fraction(tasks, stages):.0f}%" if stages > 1 else ""
+    ax.set_title(f"Pipeline timeline: {what}{idle}", loc="left", fontsize=11)
+    handles = [
+        Patch(color=FORWARD, label="forward (microbatch #)"),
+        Patch(color=BACKWARD, label="backward"),
+    ]
+    if stages > 1:
+        handles.append(
+            Patch(facecolor="white", edgecolor="#BBBBBB", hatch="///", label="idle (bubble)")
+        )
     ax.legend(
-        handles=[
-            Patch(color=FORWARD, label="forward (microbatch #)"),
-            Patch(color=BACKWARD, label="backward"),
-            Patch(facecolor="white", edgecolor="#BBBBBB", hatch="///", label="idle (bubble)"),
-        ],
+        handles=handles,
         loc="upper right",
         fontsize=8,
-        ncols=3,
+        ncols=len(handles),
         bbox_to_anchor=(1.0, 1.16),
         frameon=False,
     )
@@ -124,8 +130,14 @@ def draw_memory(ax: Axes, plan: Plan) -> None:
     ax.set_ylabel(f"per device ({unit})")
     if limit and limit < 10 * peak:
         ax.axhline(limit * scale, color="black", linestyle="--", linewidth=1)
-        ax.text(
-            -0.4, limit * scale, f"limit {format_bytes(limit)}", ha="left", va="bottom", fontsize=8
+        ax.text(  # x in axes fraction, y in data: inside the frame whatever the bar count
+            0.01,
+            limit * scale,
+            f"limit {format_bytes(limit)}",
+            transform=ax.get_yaxis_transform(),
+            ha="left",
+            va="bottom",
+            fontsize=8,
         )
         ax.set_ylim(0, max(peak, limit) * scale * 1.35)
     else:
@@ -147,6 +159,7 @@ def draw_memory(ax: Axes, plan: Plan) -> None:
 def draw_layouts(ax: Axes, plan: Plan) -> None:
     """A grid: one row per parameter (identical layers folded), one cell per mesh axis."""
     axes = plan_mesh_axes(plan)
+    sizes = (plan.stage_mesh or plan.mesh).shape
     rows = layout_rows(plan)
     shown = rows[:MAX_LAYOUT_ROWS]
     zero = any(row.optimizer != row.param for row in rows)
@@ -163,7 +176,10 @@ def draw_layouts(ax: Axes, plan: Plan) -> None:
     ax.set_ylim(len(shown), 0)
     ax.set_xticks([c + 0.5 for c in range(len(columns))])
     ax.set_xticklabels(
-        [axes[a] if which == "param" else f"{axes[a]}\n(optim.)" for a, which in columns],
+        [
+            f"{axes[a]} ({sizes[a]})" + ("" if which == "param" else "\n(optim.)")
+            for a, which in columns
+        ],
         fontsize=8,
     )
     ax.xaxis.tick_top()
@@ -230,7 +246,7 @@ def _cell(x: float, y: float, colour: str):  # type: ignore[no-untyped-def]
 
 def _placement_cell(placement: Shard | Replicate | Partial) -> tuple[str, str]:
     if isinstance(placement, Shard):
-        return DIM_COLOURS[placement.dim % len(DIM_COLOURS)] + "99", f"split {placement.dim}"
+        return DIM_COLOURS[placement.dim % len(DIM_COLOURS)] + "99", f"split dim {placement.dim}"
     if isinstance(placement, Partial):
         return PARTIAL, "partial"
     return REPLICATED, "whole"

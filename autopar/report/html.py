@@ -82,7 +82,8 @@ def report_html(plan: Plan) -> str:
         _memory_table(plan),
         '<h2 id="layouts">Layouts per layer</h2>',
         "<p>Each parameter's layout in the JAX spelling: the mesh axis that splits each "
-        "tensor dim (<code>None</code>: whole). Identical layers share one row.</p>",
+        "tensor dim (<code>None</code>: whole). Identical layers share one row. On a mesh "
+        "axis of one device (the outer axis inside a pipeline stage) every tensor is whole.</p>",
         _image(single_figure(plan, "layouts"), "parameter layouts"),
         _layouts_table(plan),
     ]

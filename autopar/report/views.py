@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plans.placement import Layout, format_spec
+from plans.placement import Layout, Replicate, format_spec
 from plans.plan import Plan
 
 
@@ -57,8 +57,11 @@ def layout_rows(plan: Plan) -> list[LayoutRow]:
     """Parameter layouts with identical layers folded: one row per name pattern and layout.
 
     A name's first numbered component is its layer index (``layers.7.mlp...``); names that
-    differ only there and have the same shape and layouts make one row.
+    differ only there and have the same shape and layouts make one row. A placement on a
+    mesh axis of one device (a pipeline stage's outer axis when every device along it is a
+    stage) keeps the whole tensor whatever the solver wrote there, so it is shown whole.
     """
+    sizes = (plan.stage_mesh or plan.mesh).shape
     groups: dict[tuple[object, ...], list[int]] = {}
     order: list[tuple[object, ...]] = []
     for name, param in plan.params.items():
@@ -66,7 +69,8 @@ def layout_rows(plan: Plan) -> list[LayoutRow]:
         index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
         layer = int(parts[index]) if index is not None else -1
         pattern = ".".join("*" if i == index else p for i, p in enumerate(parts))
-        key = (pattern, param.shape, param.param, param.grad, param.optimizer)
+        layouts = (_on(param.param, sizes), _on(param.grad, sizes), _on(param.optimizer, sizes))
+        key = (pattern, param.shape, *layouts)
         if key not in groups:
             groups[key] = []
             order.append(key)
@@ -94,6 +98,13 @@ def layout_rows(plan: Plan) -> list[LayoutRow]:
             )
         )
     return rows
+
+
+def _on(layout: Layout, sizes: tuple[int, ...]) -> Layout:
+    """``layout`` with its placements on axes of one device replaced by ``Replicate``."""
+    if all(size > 1 for size in sizes):
+        return layout
+    return Layout(*(Replicate() if size == 1 else p for p, size in zip(layout, sizes, strict=True)))
 
 
 def _stages_of_layers(plan: Plan) -> dict[int, int]:
