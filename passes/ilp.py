@@ -80,7 +80,8 @@ class RecomputeTerm:
         w[l] >= F(s) - F_max (1 - r[l]),  w[l] >= 0     (objective: + weight sum_l w[l])
         r[l] >= r[l+1] (full), r[l] <= r[l+1] (selective) (which copies: full the first,
                                                           selective the last ones)
-        r_full[l] + r_this[l] <= 1                       (inside a fully recomputed layer)
+        r_this[l] + r_other[l] <= 1                      (the full layer, or a selective
+                                                          region sharing an op with it)
     """
 
     name: str
@@ -91,7 +92,9 @@ class RecomputeTerm:
     saving_bound: float
     forward_bound: float
     weight: float = 1.0  # microbatches per step: the forward runs again for each
-    excludes: str | None = None  # the full region of the same layers
+    # regions of the same layers that cannot be recomputed with this one (the full layer;
+    # selective regions sharing an op): at most one of them per layer copy
+    excludes: tuple[str, ...] = ()
     forced: bool | None = None  # True: recompute every copy; False: none
 
 
@@ -273,9 +276,10 @@ def _add_recompute(
             objective.append(term.weight * w)
             flags[term.name].append(r)
     for term in terms:
-        if term.excludes and term.excludes in flags:
-            for mine, full in zip(flags[term.name], flags[term.excludes], strict=True):
-                model += mine + full <= 1
+        for other in term.excludes:
+            if other in flags and other < term.name:  # each pair once
+                for mine, theirs in zip(flags[term.name], flags[other], strict=True):
+                    model += mine + theirs <= 1
     return freed, flags
 
 

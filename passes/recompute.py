@@ -265,10 +265,18 @@ def _kept_boundary(
                 saving[k] -= cost.tensor_bytes(info, layout)
 
 
+def _clash(a: Region, b: Region) -> bool:
+    """Whether ``a`` and ``b`` cannot both be recomputed in a layer: one is the whole
+    layer, or they share an op (checkpoints cannot nest or overlap)."""
+    if a is b or sorted(a.copies) != sorted(b.copies):
+        return False
+    return "full" in (a.kind, b.kind) or bool(set(a.nodes) & set(b.nodes))
+
+
 def recompute_terms(regions: list[Region], microbatches: int) -> list[RecomputeTerm]:
-    """The ILP's view of the regions: one term per region, full ones excluding selective
-    ones of the same layers."""
-    full = {tuple(sorted(r.copies)): r.name for r in regions if r.kind == "full"}
+    """The ILP's view of the regions: one term per region, each excluding the regions of the
+    same layers it cannot go with (the full layer; selective regions sharing an op)."""
+
     return [
         RecomputeTerm(
             name=r.name,
@@ -279,7 +287,7 @@ def recompute_terms(regions: list[Region], microbatches: int) -> list[RecomputeT
             saving_bound=r.saving_bound,
             forward_bound=r.forward_bound,
             weight=float(microbatches),
-            excludes=None if r.kind == "full" else full.get(tuple(sorted(r.copies))),
+            excludes=tuple(o.name for o in regions if _clash(r, o)),
             forced=r.forced,
         )
         for r in regions
@@ -324,8 +332,12 @@ def apply_recompute_hints(
                 )
             if all(hit):
                 affected.append(region)
-        if hint.force:
-            affected = [r for r in affected if len(r.nodes) == max(len(a.nodes) for a in affected)]
+        if hint.force:  # the largest candidates inside, none sharing an op with another
+            kept: list[Region] = []
+            for region in sorted(affected, key=lambda r: (-len(r.nodes), -r.saving_bound)):
+                if not any(_clash(region, k) for k in kept):
+                    kept.append(region)
+            affected = kept
         if not affected:
             raise HintError(
                 f"{hint.label}: no recompute candidate (a layer, or a run of "

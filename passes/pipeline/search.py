@@ -111,13 +111,18 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
         if not sizes:
             continue
         # first the fastest intra-op plan (memory per stage is checked when cutting);
-        # if no microbatch size fits with it, a plan solved under the memory limit for the
-        # smallest microbatch (with ZeRO and recomputation as it needs them)
-        for bounded in (False, True):
+        # if no microbatch size fits with it, a plan solved for the smallest microbatch
+        # with the whole model within p devices' limits (a stage holds 1/p of the layers),
+        # then, if the stages' in-flight activations still overflow, within one device's
+        # (what 1F1B's first stage holds: p microbatches of 1/p of the layers), with ZeRO
+        # and recomputation as they need
+        bounds = [None] if limit is None else [None, limit * p, limit] if p > 1 else [None, limit]
+        for bound in bounds:
+            bounded = bound is not None
             solve = replace(
                 request.solve,
                 mesh=stage_mesh,
-                memory_limit=None if limit is None or not bounded else limit * p,
+                memory_limit=bound,
                 microbatches=max(request.global_batch // request.traced_batch, 1),
                 batch_scale=min(sizes) / request.traced_batch if bounded else 1.0,
             )
@@ -436,8 +441,14 @@ def _nothing_fits(
     if errors:
         # the intra-op solver's account (floor per device, the dominant term) says most
         return errors[0]
-    if smallest is None:
-        return InfeasiblePlanError("no plan fits")
+    if smallest is None or smallest[0] == float("inf"):
+        where = f" (the leanest tried: {smallest[1]})" if smallest else ""
+        return InfeasiblePlanError(
+            f"no plan fits in {format_bytes(limit or 0)} per device on {mesh.describe()}: no "
+            f"cut of the layers into stages keeps every stage within it{where}. What would "
+            "help: activation recomputation, more devices, smaller microbatches (smaller "
+            "example inputs), a lighter optimizer or precision"
+        )
     need, where = smallest
     return InfeasiblePlanError(
         f"no plan fits in {format_bytes(limit or 0)} per device on {mesh.describe()}: the "
