@@ -99,7 +99,10 @@ def find_regions(
         first = layers[0]
         nodes = layer_nodes[first]
         candidates = [(f"layers[{first}] full", "full", nodes)]
-        for group in _selective_groups(nodes):
+        groups = _selective_groups(nodes)
+        for index, group in enumerate(groups):
+            if index % 2 and not _leaves_unkept(groups[index - 1], savers):
+                continue  # the run's input is kept anyway: no need to recompute its matmul
             name = f"{_module(group[0])} {group[0].target} .. {group[-1].target}"
             if any(name == taken for taken, _, _ in candidates):  # names key the ILP's rows
                 name = f"{name} #{len(candidates)}"
@@ -155,8 +158,9 @@ def _selective_groups(nodes: list[torch.fx.Node]) -> list[list[torch.fx.Node]]:
     softmax), each with the matmul that consumes it: that matmul keeps the run's output
     for its backward, so only with it inside does recomputing the run free anything.
 
-    Each run comes twice: as above, and with the matmul that made the run's input (and
-    the views between): when nothing else keeps that input (attention's scores ``q k^T``,
+    Each run comes twice (``find_regions`` keeps the second only when the first would keep
+    an input nothing else keeps): as above, and with the matmul that made the run's input
+    (and the views between): when nothing else keeps that input (attention's scores ``q k^T``,
     which the softmax reads but does not keep), the first form's checkpoint would keep it
     instead and free nothing; the second keeps the matmul's inputs (q and k, small) and
     recomputes it too, as Megatron's selective recomputation of the core attention does.
@@ -227,6 +231,18 @@ def _coefficients(
     _kept_boundary(region, members, decisions, cost, savers)
     region.saving_bound = sum(max(v) for v in region.saving.values())
     region.forward_bound = sum(max(v) for v in region.forward.values())
+
+
+def _leaves_unkept(members: list[torch.fx.Node], savers: dict[str, set[str]]) -> bool:
+    """Whether a checkpoint of ``members`` would keep an input that no op keeps."""
+    inside = {n.name for n in members}
+    return any(
+        source.name not in inside
+        and source.op == "call_function"
+        and not savers.get(source.meta[META_KEY].alias_of or source.name)
+        for node in members
+        for source in _flat_inputs(node)
+    )
 
 
 def _kept_boundary(

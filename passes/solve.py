@@ -206,7 +206,9 @@ def _solve(
     allowed = allowed_choices(decisions, request.constraints(mesh))
     mesh_cost = MeshCost(mesh, load_preset(mesh.device))
 
-    def attempt(zero: int, limit: float | None) -> tuple[Solved | None, ProblemParts]:
+    def attempt(
+        zero: int, limit: float | None, recompute: bool = True
+    ) -> tuple[Solved | None, ProblemParts]:
         cost = CostModel(
             mesh_cost, request.optimizer, request.precision, zero, batch_scale=request.batch_scale
         )
@@ -215,7 +217,7 @@ def _solve(
         )
         regions = (
             find_regions(traced.graph, decisions, cost, representatives)
-            if limit is not None or request.recompute_hints
+            if (limit is not None and recompute) or request.recompute_hints
             else []
         )
         apply_recompute_hints(regions, request.recompute_hints, traced.graph)
@@ -259,11 +261,19 @@ def _solve(
         request.memory_limit is None or fastest.memory() <= request.memory_limit
     ):
         return fastest
+    # ZeRO before recomputation: sharding optimizer state and gradients re-partitions
+    # communication a step makes anyway, recomputation adds forward time; and the ILP with
+    # recompute binaries per layer copy is a much harder MIP (minutes on 96 layers). So
+    # the ILP decides recomputation (jointly with sharding) only when no ZeRO stage fits
+    # without it, or when hints force or forbid it.
     found = []
-    for zero in levels:
-        solved, parts = attempt(zero, request.memory_limit)
-        if solved is not None:
-            found.append(solved)
+    for with_recompute in (False, True):
+        for zero in levels:
+            solved, parts = attempt(zero, request.memory_limit, with_recompute)
+            if solved is not None:
+                found.append(solved)
+        if found:
+            break
     if not found:
         raise infeasible_error(parts, request)
     return min(found, key=lambda s: (s.report.objective or 0.0, s.zero))

@@ -350,17 +350,21 @@ def test_recompute_hints_force_the_layer_or_the_selective_region(llama):
     assert not free.recompute  # without the hint nothing is recomputed
 
 
-def test_no_recompute_hint_forbids_what_the_limit_would_choose(llama):
-    plain = plan_hinted(llama, MESH, hints_from_text("pipeline: {stages: 1}\n"))
-    memory = plain.estimate.memory_per_device_bytes
+def test_no_recompute_hint_against_a_limit_only_recomputation_meets_is_a_conflict(llama):
+    """On one device nothing can be sharded: a limit under the plain plan's memory calls for
+    recomputation (one microbatch: no smaller ones either), and forbidding it leaves no
+    plan; the error names the hint."""
+    one = MeshSpec((1,), ("dp",), device="h100-sxm")
+    stages = hints_from_text("pipeline: {stages: 1, microbatches: 1}\n")
+    memory = plan_hinted(llama, one, stages).estimate.memory_per_device_bytes
     limit = memory.total - 0.3 * memory.activations
-    tight = plan_hinted(llama, MESH, hints_from_text("pipeline: {stages: 1}\n"), memory_limit=limit)
+    tight = plan_hinted(llama, one, stages, memory_limit=limit)
     assert any(r.kind == "full" for r in tight.recompute)
-    text = "pipeline: {stages: 1}\nno_recompute: [layers.*]\n"
-    forbidden = plan_hinted(llama, MESH, hints_from_text(text, "h.yaml"), memory_limit=limit)
-    assert not forbidden.recompute  # it fits some other way (more sharding), if slower
-    assert forbidden.estimate.memory_per_device_bytes.total <= limit
-    assert forbidden.estimate.step_time_s >= tight.estimate.step_time_s * (1 - 1e-9)
+    hints = hints_from_text(
+        "pipeline: {stages: 1, microbatches: 1}\nno_recompute: [layers.*]\n", "h.yaml"
+    )
+    with pytest.raises(HintConflictError, match=r'h\.yaml:2: no_recompute "layers\.\*"'):
+        plan_hinted(llama, one, hints, memory_limit=limit)
 
 
 def test_a_recompute_hint_on_some_of_identical_layers_is_refused():
