@@ -1,0 +1,1 @@
+"""Benchmarks of autopar; ``python -m benchmarks`` regenerates BENCHMARKS.md (see __main__)."""

@@ -1,0 +1,297 @@
+"""Runtime on real ranks: autopar's compiled module against the PyTorch code for the same strategy.
+
+    python -m benchmarks --only runtime [--quick]
+
+On 4 CPU ranks (gloo, one thread each), a small Llama-style decoder (separate q, k, v
+projections, so DTensor's tensor-parallel plan applies as torchtitan writes it) with its
+loss inside the module trains with AdamW. Each strategy is set up twice on the same weights:
+
+- ``dp``: ``autopar.compile(force="dp")`` against ``DistributedDataParallel``;
+- ``fsdp``: ``autopar.compile(force="fsdp")`` against FSDP2 (``fully_shard`` per block and
+  the root);
+- ``tp``: ``autopar.compile(force="tp")``, with a hint banning batch splits on the tp axis
+  (``force="tp"`` alone lets the solver also split the batch there), against DTensor tensor
+  parallelism (``parallelize_module``: vocab-split embedding, column-split q/k/v/gate/up
+  and head, row-split o/down; norms replicated), every rank the whole batch.
+
+All six run in one job, one step of each in turn (so load from other processes falls on all
+alike), after warm-up steps. A step is ``zero_grad``, forward with loss, backward,
+``optimizer.step()``, timed from a barrier to the end on every rank; the step's time is the
+slowest rank's, and the figure the median over steps (the quartiles of the per-step ratios,
+steps paired in the order they ran, show the noise). Bytes are what rank 0 wrote to its
+sockets during the step (``wchar`` of ``/proc/self/io``: gloo sends over TCP with
+``writev``), next to the plan's own estimate of bytes sent per device.
+
+On 1 rank: ``autopar.compile`` on a mesh of one against the eager module, same model.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import autopar
+from benchmarks.common import WithLoss
+from examples.models import build
+
+MODEL = dict(vocab_size=512, seq_len=128, n_layer=4, n_head=8, n_kv_head=4, d_model=256, d_ff=688)
+QUICK_MODEL = dict(vocab_size=64, seq_len=16, n_layer=2, n_head=4, n_kv_head=4, d_model=32, d_ff=64)
+BATCH = 8
+STRATEGIES = ("dp", "fsdp", "tp")
+
+
+def config(quick: bool) -> dict[str, Any]:
+    return {
+        "model": dict(QUICK_MODEL if quick else MODEL),
+        "batch": 4 if quick else BATCH,
+        "steps": 3 if quick else 20,
+        "warmup": 1 if quick else 3,
+        "world_size": 4,
+    }
+
+
+def _make_model(model_config: dict[str, Any], batch: int) -> tuple[WithLoss, tuple]:
+    torch.manual_seed(0)
+    model, (tokens,) = build("llama-tiny", batch_size=batch, **model_config)
+    generator = torch.Generator().manual_seed(1)
+    targets = torch.randint(0, model_config["vocab_size"], tokens.shape, generator=generator)
+    return WithLoss(model), (tokens, targets)
+
+
+def _wchar() -> int:
+    """Bytes this process has written through write-like system calls (sockets included)."""
+    with open("/proc/self/io") as io:
+        for line in io:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    return 0
+
+
+class Variant:
+    """One way to run the training step, and what was measured of it."""
+
+    def __init__(self, name: str, module: nn.Module, step_inputs: tuple, plan: Any = None):
+        self.name = name
+        self.module = module
+        self.inputs = step_inputs
+        self.optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        self.plan = plan
+        self.times: list[float] = []
+        self.bytes: list[int] = []
+        self.losses: list[float] = []
+
+    def step(self, record: bool) -> None:
+        dist.barrier()
+        written = _wchar()
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.module(*self.inputs)
+        loss.backward()
+        self.optimizer.step()
+        seconds = time.perf_counter() - start
+        sent = _wchar() - written
+        if record:
+            self.times.append(seconds)
+            self.bytes.append(sent)
+            self.losses.append(float(loss.detach()))
+
+
+def _pytorch_dp(model: WithLoss, inputs: tuple, rank: int, world: int) -> Variant:
+    from torch.nn.parallel import DistributedDataParallel
+
+    local = tuple(x.chunk(world)[rank] for x in inputs)
+    return Variant("torch DDP", DistributedDataParallel(model), local)
+
+
+def _pytorch_fsdp(model: WithLoss, inputs: tuple, rank: int, world: int) -> Variant:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    local = tuple(x.chunk(world)[rank] for x in inputs)
+    return Variant("torch FSDP2", model, local)
+
+
+def _pytorch_tp(model: WithLoss, inputs: tuple, rank: int, world: int) -> Variant:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (world,))
+    llama = model.model
+    parallelize_module(
+        llama,
+        mesh,
+        {
+            "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
+    for block in llama.layers:
+        parallelize_module(
+            block,
+            mesh,
+            {
+                "attn.q_proj": ColwiseParallel(),
+                "attn.k_proj": ColwiseParallel(),
+                "attn.v_proj": ColwiseParallel(),
+                "attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(),
+            },
+        )
+        attn = block.attn
+        attn.n_head //= world  # heads of this rank, as torchtitan sets them
+        attn.n_kv_head //= world
+        attn.forward = types.MethodType(_local_attention_forward, attn)
+    del Shard  # the plan above names its layouts through the styles
+    return Variant("torch DTensor TP", model, inputs)
+
+
+def _local_attention_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``examples.models.llama.Attention.forward`` on this rank's heads (its last reshape
+    takes the local width, not the model's)."""
+    from examples.models.llama import apply_rotary, repeat_kv, rotary_angles
+
+    B, T, _ = x.shape  # (B, T, C)
+    nh, nkv, hs = self.n_head, self.n_kv_head, self.head_size
+    q = self.q_proj(x).view(B, T, nh, hs).transpose(1, 2)  # (B, nh_local, T, hs)
+    k = self.k_proj(x).view(B, T, nkv, hs).transpose(1, 2)
+    v = self.v_proj(x).view(B, T, nkv, hs).transpose(1, 2)
+    cos, sin = rotary_angles(T, hs, self.rope_theta, x.device)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    k, v = repeat_kv(k, nh // nkv), repeat_kv(v, nh // nkv)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    y = y.transpose(1, 2).reshape(B, T, nh * hs)  # (B, T, C_local)
+    return self.o_proj(y)
+
+
+BASELINES = {"dp": _pytorch_dp, "fsdp": _pytorch_fsdp, "tp": _pytorch_tp}
+
+
+def _autopar(model: WithLoss, inputs: tuple, style: str | None, world: int) -> Variant:
+    axis = "tp" if style == "tp" else "dp"
+    mesh = autopar.Mesh((world,), (axis,), device="cpu")
+    options: dict[str, Any] = {"force": style} if style else {}
+    if style == "tp":  # force="tp" alone lets the batch split on the tp axis too (FSDP-like)
+        options["hints"] = {"ban": {"tp": ["data_parallel"]}}
+    compiled = autopar.compile(model, mesh, example_inputs=inputs, **options)
+    return Variant(f"autopar {style or 'unforced'}", compiled, inputs, compiled.plan)
+
+
+def _run(variants: list[Variant], steps: int, warmup: int) -> None:
+    for i in range(warmup + steps):
+        for variant in variants:
+            variant.step(record=i >= warmup)
+
+
+def ranks_work(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Every strategy, autopar's and PyTorch's, on this rank; what it measured."""
+    model, inputs = _make_model(cfg["model"], cfg["batch"])
+    variants = []
+    for style in STRATEGIES:
+        variants.append(_autopar(copy.deepcopy(model), inputs, style, world))
+        variants.append(BASELINES[style](copy.deepcopy(model), inputs, rank, world))
+    _run(variants, cfg["steps"], cfg["warmup"])
+    return _report(variants)
+
+
+def single_work(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """On one rank: the compiled module against the eager one."""
+    model, inputs = _make_model(cfg["model"], cfg["batch"])
+    variants = [
+        _autopar(copy.deepcopy(model), inputs, None, world),
+        Variant("eager", copy.deepcopy(model), inputs),
+    ]
+    _run(variants, cfg["steps"], cfg["warmup"])
+    return _report(variants)
+
+
+def _report(variants: list[Variant]) -> dict[str, Any]:
+    return {
+        v.name: {
+            "times": v.times,
+            "bytes": v.bytes,
+            "losses": v.losses,
+            "plan_bytes": v.plan.estimate.comm_bytes_per_step if v.plan is not None else None,
+            "parallelism": v.plan.parallelism.model_dump() if v.plan is not None else None,
+        }
+        for v in variants
+    }
+
+
+def combine(per_rank: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per variant: the median over steps of the slowest rank's time; rank 0's bytes."""
+    combined = {}
+    for name in per_rank[0]:
+        steps = zip(*(r[name]["times"] for r in per_rank), strict=True)
+        slowest = [max(step) for step in steps]
+        first = per_rank[0][name]
+        combined[name] = {
+            "step_s": statistics.median(slowest),
+            "steps_s": slowest,
+            "bytes_per_step": statistics.median(first["bytes"]),
+            "plan_bytes_per_step": first["plan_bytes"],
+            "parallelism": first["parallelism"],
+            "loss_first": first["losses"][0],
+        }
+    return combined
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """Both jobs; the section's record."""
+    cfg = config(quick)
+    start = time.perf_counter()
+    ranks = autopar.testing.run_ranks(ranks_work, cfg["world_size"], (cfg,))
+    single = autopar.testing.run_ranks(single_work, 1, (cfg,))
+    rows = []
+    four = combine(ranks)
+    for style in STRATEGIES:
+        mine, theirs = four[f"autopar {style}"], four[_baseline_name(style)]
+        rows.append(_row(style, cfg["world_size"], mine, theirs, _baseline_name(style)))
+    one = combine(single)
+    rows.append(_row("none", 1, one["autopar unforced"], one["eager"], "eager"))
+    return {"config": cfg, "rows": rows, "seconds": time.perf_counter() - start}
+
+
+def _baseline_name(style: str) -> str:
+    return {"dp": "torch DDP", "fsdp": "torch FSDP2", "tp": "torch DTensor TP"}[style]
+
+
+def _row(
+    style: str, ranks: int, mine: dict[str, Any], theirs: dict[str, Any], baseline: str
+) -> dict[str, Any]:
+    ratios = sorted(a / b for a, b in zip(mine["steps_s"], theirs["steps_s"], strict=True))
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return {
+        "strategy": style,
+        "step_ratio_quartiles": quartiles,
+        "autopar_steps_s": mine["steps_s"],
+        "baseline_steps_s": theirs["steps_s"],
+        "ranks": ranks,
+        "baseline": baseline,
+        "autopar_step_s": mine["step_s"],
+        "baseline_step_s": theirs["step_s"],
+        "ratio": mine["step_s"] / theirs["step_s"],
+        "autopar_bytes": mine["bytes_per_step"],
+        "baseline_bytes": theirs["bytes_per_step"],
+        "plan_bytes": mine["plan_bytes_per_step"],
+        "parallelism": mine["parallelism"],
+        "losses": [mine["loss_first"], theirs["loss_first"]],
+    }

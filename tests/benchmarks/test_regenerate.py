@@ -1,0 +1,65 @@
+"""``python -m benchmarks`` renders BENCHMARKS.md from its records (no timing is asserted)."""
+
+from __future__ import annotations
+
+import copy
+
+from benchmarks import render
+from benchmarks.__main__ import main
+
+HEADERS = [
+    "## Machine",
+    "## Trace time on the meta device",
+    "## Planning speed",
+    "## Plan quality against hand-written parallelism",
+    "## Recompute frontier: memory limit against step time",
+    "## Pipeline search",
+    "## Runtime on real ranks",
+    "## GPU (H200)",
+]
+
+
+def test_gpu_section_is_read_from_the_saved_h200_files(tmp_path):
+    out = tmp_path / "BENCHMARKS.md"
+    main(["--only", "gpu", "--out", str(out), "--results", str(tmp_path / "results")])
+    text = out.read_text()
+    for header in HEADERS:
+        assert text.count(header) == 1, header
+    assert "1.079" in text and "**Missed**" in text  # compiled vs eager on the H200
+    assert "34.5 ms against 4.5 ms" in text  # the lm_head of vocab 50257
+    assert "Command: `python -m benchmarks" in text or "`python -m benchmarks --only gpu" in text
+    assert (tmp_path / "results" / "gpu.json").exists()
+
+
+def test_regenerating_keeps_the_mixture_of_experts_section(tmp_path):
+    old = "# Benchmarks\n\nold text\n\n## Mixture-of-experts\n\nexpert figures\n\n## Other\n\nx\n"
+    first = render.document({}, old)
+    assert first.count("## Mixture-of-experts") == 1 and "expert figures" in first
+    assert "old text" not in first
+    added = first.replace(render.MOE_SLOT, render.MOE_SLOT + "\n\nmore expert figures")
+    second = render.document({}, added)
+    assert second.count("## Mixture-of-experts") == 1
+    assert "expert figures" in second and "more expert figures" in second
+    assert second.index("more expert figures") < second.index("## Recompute frontier")
+
+
+def _record(data):
+    machine = {"cpu": "cpu", "cores": 2, "memory_gib": 1, "os": "os", "python": "3", "torch": "t"}
+    return {"command": "python -m benchmarks", "date": "today", "machine": machine, "data": data}
+
+
+def test_a_plan_slower_than_a_baseline_is_flagged_not_hidden():
+    entry = {
+        "status": "ok", "step_s": 1.0, "mfu": 0.5, "plan_s": 1.0, "dp": 8, "tp": 1, "pp": 1,
+        "sp": 1, "zero": 0, "schedule": "none", "chunks": 1, "microbatches": 1,
+        "microbatch": 8, "recompute": [],
+    }  # fmt: skip
+    faster = dict(entry, step_s=0.8, mfu=0.625)
+    case = {
+        "model": "m", "devices": 8, "mesh": "1x8", "global_batch": 8, "autopar": entry,
+        "ddp": copy.deepcopy(entry), "fsdp": faster, "megatron": {"status": "does not fit"},
+        "megatron_grid": [],
+    }  # fmt: skip
+    text = render.quality(_record({"cases": [case]}))
+    assert "**Missed** in m on 1x8 against FSDP (ZeRO-3) (1.250)" in text
+    assert "autopar/this 1.250 **LOSS**" in text and "autopar/this 1.000)" in text
