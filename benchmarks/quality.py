@@ -294,13 +294,54 @@ def run_case(model: str, devices: int) -> dict[str, Any]:
         )
     grid = megatron_grid(traces, devices, batch, layers, params)
     case["megatron_grid"] = grid
-    fitting = [r for r in grid if r.get("status") == "ok"]
+    fitting = [r for r in grid if r.get("status") == "ok"]  # invalid plans never count
     case["megatron"] = (
         min(fitting, key=lambda r: r["step_s"]) if fitting else {"status": "does not fit"}
     )
+    diagnose(case, traces)
     case["trace_s"] = traces.seconds
     case["seconds"] = time.perf_counter() - start
+    case["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return case
+
+
+def best_baseline(case: dict[str, Any]) -> dict[str, Any] | None:
+    """The fastest baseline of ``case`` that fits (``invalid`` plans never count)."""
+    fitting = [
+        case[key]
+        for key in ("ddp", "fsdp", "tp_dp", "megatron")
+        if case.get(key, {}).get("status") == "ok"
+    ]
+    return min(fitting, key=lambda e: e["step_s"]) if fitting else None
+
+
+def diagnose(case: dict[str, Any], traces: Traces | None = None) -> None:
+    """Where autopar loses: plan again with example inputs of the winning baseline's
+    microbatch (autopar's largest microbatch is its example batch, and it splits it only
+    while a stage's devices divide it), to tell the search's reach from its microbatches."""
+    best = best_baseline(case)
+    mine = case["autopar"]
+    lost = best is not None and (mine.get("status") != "ok" or mine["step_s"] > best["step_s"])
+    if (
+        not lost
+        or "autopar_at_baseline_batch" in case
+        or best["microbatch"] == mine.get("microbatch")
+    ):
+        return
+    traces = traces or Traces(case["model"])
+    traced = traces.get(best["microbatch"])
+    mesh = cluster(case["devices"])
+    entry = _try(
+        lambda: plan_traced(
+            traced,
+            mesh,
+            global_batch=case["global_batch"],
+            traced_batch=best["microbatch"],
+            name=case["model"],
+        )
+    )
+    entry["example_batch"] = best["microbatch"]
+    case["autopar_at_baseline_batch"] = entry
 
 
 def cases(quick: bool, full: bool) -> list[tuple[str, int]]:
@@ -323,7 +364,11 @@ def run(
     results = []
     for model, devices in cases(quick, full):
         key = f"{model}@{devices}"
-        results.append(done[key] if done and key in done else run_case(model, devices))
+        if done and key in done:
+            diagnose(done[key])  # cases measured before the diagnosis existed
+            results.append(done[key])
+        else:
+            results.append(run_case(model, devices))
         if save is not None:
             save({"cases": results, "seconds": time.perf_counter() - start})
     return {"cases": results, "seconds": time.perf_counter() - start}

@@ -339,6 +339,9 @@ def quality(record: dict[str, Any] | None) -> str:
             + "|"
         )
     if losses:
+        worst: dict[int, str] = {}  # case -> the baseline it loses to most (diagnosed once)
+        for case, label, _ratio in sorted(losses, key=lambda x: x[2]):
+            worst[id(case)] = label
         lines += ["", "Where autopar loses:", ""]
         for case, label, ratio in losses:
             key = next(k for k, name in BASELINES if name == label)
@@ -347,6 +350,18 @@ def quality(record: dict[str, Any] | None) -> str:
                 f"{_cell(case['autopar'], {})} ({_config(case['autopar'])}) against {label} "
                 f"{_cell(case[key], {})} ({_config(case[key])}): ratio {ratio:.3f}."
             )
+            again = case.get("autopar_at_baseline_batch")
+            if again is not None and label == worst.get(id(case)):
+                lines.append(
+                    f"  Planned again with example inputs of {again['example_batch']} "
+                    "sequences (that baseline's microbatch): "
+                    f"{_cell(again, {})} ({_config(again)})"
+                    + (
+                        f", ratio {again['step_s'] / case[key]['step_s']:.3f}."
+                        if again.get("status") == "ok"
+                        else "."
+                    )
+                )
     lines += [
         "",
         "The Megatron grid, every (tp, pp) tried (step time, or why it was left out):",

@@ -60,6 +60,9 @@ def test_a_plan_slower_than_a_baseline_is_flagged_not_hidden():
         "ddp": copy.deepcopy(entry), "fsdp": faster, "megatron": {"status": "does not fit"},
         "megatron_grid": [],
     }  # fmt: skip
+    case["autopar_at_baseline_batch"] = dict(entry, step_s=0.7, mfu=0.71, example_batch=4)
     text = render.quality(_record({"cases": [case]}))
     assert "**Missed** in m on 1x8 against FSDP (ZeRO-3) (1.250)" in text
     assert "autopar/this 1.250 **LOSS**" in text and "autopar/this 1.000)" in text
+    assert "Planned again with example inputs of 4 sequences" in text
+    assert "ratio 0.875." in text
