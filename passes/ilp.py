@@ -124,8 +124,41 @@ class IlpSolution:
     recompute: dict[str, int] = field(default_factory=dict)  # region -> copies recomputed
 
 
-def solve_ilp(problem: IlpProblem, time_limit: float = 60.0, backend: str = "highs") -> IlpSolution:
-    """Build and solve the ILP; ``feasible`` is False when no choice fits."""
+def dominates(better: IlpProblem, worse: IlpProblem) -> bool:
+    """Whether every choice costs ``better`` no more time and no more memory than ``worse``:
+    the same problem but for overlappable communication and memory, each no larger per
+    choice. Then ``better``'s optimum is at most ``worse``'s, and solving ``worse`` can only
+    find a tie (ZeRO-1 against ZeRO-2: the same collectives, more gradient memory)."""
+
+    def no_larger(mine: dict[str, list[float]], theirs: dict[str, list[float]]) -> bool:
+        return mine.keys() == theirs.keys() and all(
+            len(mine[d]) == len(theirs[d])
+            and all(a <= b for a, b in zip(mine[d], theirs[d], strict=True))
+            for d in mine
+        )
+
+    return (
+        better.choices == worse.choices
+        and better.allowed == worse.allowed
+        and better.cost == worse.cost
+        and better.hidden_by == worse.hidden_by
+        and better.buckets == worse.buckets
+        and better.memory_limit == worse.memory_limit
+        and better.edges == worse.edges
+        and better.recompute == worse.recompute
+        and no_larger(better.overlappable, worse.overlappable)
+        and no_larger(better.memory, worse.memory)
+    )
+
+
+def solve_ilp(
+    problem: IlpProblem,
+    time_limit: float = 60.0,
+    backend: str = "highs",
+    cutoff: float | None = None,
+) -> IlpSolution:
+    """Build and solve the ILP; ``feasible`` is False when no choice fits (or, with
+    ``cutoff``, none is faster than it: the solver prunes by it and proves that quickly)."""
     start = time.perf_counter()
     model = pulp.LpProblem("autopar", pulp.LpMinimize)
     select: dict[str, list[pulp.LpVariable | float]] = {}
@@ -195,6 +228,8 @@ def solve_ilp(problem: IlpProblem, time_limit: float = 60.0, backend: str = "hig
             <= problem.memory_limit / scale
         )
     model += pulp.lpSum(objective)
+    if cutoff is not None:
+        model += pulp.lpSum(objective) <= cutoff
 
     _, used = _run(model, time_limit, backend)
     elapsed = time.perf_counter() - start

@@ -131,18 +131,26 @@ class Layout(BaseModel):
 
     model_config = ConfigDict(frozen=True)
     placements: tuple[Placement, ...]
-    # the solver hashes and compares layouts millions of times: keep the hash
-    _hash: int | None = PrivateAttr(default=None)
+    # the solver hashes and compares layouts millions of times: keep a key of the
+    # placements' strings, read from pydantic's private dict directly (attribute access to
+    # a private attribute goes through ``__getattr__``, ten times slower)
+    _key: tuple[str, ...] | None = PrivateAttr(default=None)
+
+    def _cached_key(self) -> tuple[str, ...]:
+        private = self.__pydantic_private__
+        assert private is not None
+        key = private["_key"]
+        if key is None:
+            key = private["_key"] = tuple(repr(p) for p in self.placements)
+        return key
 
     def __hash__(self) -> int:
-        if self._hash is None:
-            self._hash = hash(tuple(repr(p) for p in self.placements))
-        return self._hash
+        return hash(self._cached_key())
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Layout):
             return NotImplemented
-        return self is other or (hash(self) == hash(other) and self.placements == other.placements)
+        return self is other or self._cached_key() == other._cached_key()
 
     def __init__(self, *placements: Any, **data: Any) -> None:
         if placements:

@@ -34,7 +34,7 @@ class Part:
     sync_s: float = 0.0  # gradient synchronisation, once per step
     boundary_bytes: float = 0.0  # what the part hands to the next, per device
     recompute_s: float = 0.0  # forward run again in backward, one microbatch
-    params: set[str] = field(default_factory=set)
+    params: dict[str, float] = field(default_factory=dict)  # name -> state bytes
 
     @property
     def time_s(self) -> float:
@@ -83,7 +83,7 @@ def layer_costs(traced: TracedModel, solved: Solved) -> LayerCosts:
         for part in owners:
             if info.name in part.params:
                 continue
-            part.params.add(info.name)
+            part.params[info.name] = param.memory
             part.states += param.memory
             part.sync_s += param.sync_s
     decisions = solved.decisions

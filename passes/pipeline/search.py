@@ -110,21 +110,20 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
         sizes = _microbatch_sizes(request, stage_mesh)
         if not sizes:
             continue
-        # first the fastest intra-op plan (memory per stage is checked when cutting);
-        # if no microbatch size fits with it, a plan solved for the smallest microbatch
-        # with the whole model within p devices' limits (a stage holds 1/p of the layers),
-        # then, if the stages' in-flight activations still overflow, within one device's
-        # (what 1F1B's first stage holds: p microbatches of 1/p of the layers), with ZeRO
-        # and recomputation as they need
-        bounds = [None] if limit is None else [None, limit * p, limit] if p > 1 else [None, limit]
+        # a plan solved for the smallest microbatch with the whole model within p devices'
+        # limits (a stage holds 1/p of the layers): the fastest plan when it fits them
+        # (memory per stage is checked when cutting; when the fastest plan does not fit
+        # p devices, no cut of it fits), otherwise one with ZeRO and recomputation as they
+        # need; then, if the stages' in-flight activations still overflow, within one
+        # device's limit (what 1F1B's first stage holds: p microbatches of 1/p of the layers)
+        bounds = [None] if limit is None else [limit * p, limit] if p > 1 else [limit]
         for bound in bounds:
-            bounded = bound is not None
             solve = replace(
                 request.solve,
                 mesh=stage_mesh,
                 memory_limit=bound,
                 microbatches=max(request.global_batch // request.traced_batch, 1),
-                batch_scale=min(sizes) / request.traced_batch if bounded else 1.0,
+                batch_scale=min(sizes) / request.traced_batch,
             )
             try:
                 solved = solve_sharding(traced, solve)
@@ -370,11 +369,7 @@ def _evaluate(
 
 def _shared_states(costs: LayerCosts) -> float:
     """States counted in both ``pre`` and ``post`` (a tied weight): once without a pipeline."""
-    return (
-        0.0
-        if not costs.pre.params & costs.post.params
-        else min(costs.pre.states, costs.post.states)
-    )
+    return sum(costs.pre.params[name] for name in costs.pre.params.keys() & costs.post.params)
 
 
 def _p2p_times(costs: LayerCosts, mesh_cost: MeshCost, p: int, scale: float) -> list[float]:
