@@ -73,16 +73,20 @@ class EdgeTerm:
 class RecomputeTerm:
     """A recompute candidate repeated in ``copies`` identical layers (``passes.recompute``).
 
-    Per copy ``l``: ``r[l]`` binary; the memory it frees, ``y[l] = S(s) r[l]``, and the
-    forward it adds, ``w[l] = F(s) r[l]``, with ``S`` and ``F`` linear in the choices
-    (``saving``, ``forward``: decision -> per-choice coefficients), linearised as::
+    The copies share their strategies, so what matters is how many are recomputed, ``n``,
+    not which: ``n = sum_b 2^b r[b]`` in binary digits ``r[b]`` (7 binaries for 96 layers,
+    where a binary per copy made the MIP take minutes). The memory it frees is
+    ``n S(s)`` and the forward it adds ``n F(s)``, with ``S`` and ``F`` linear in the
+    choices (``saving``, ``forward``: decision -> per-choice coefficients); per digit,
+    ``y[b] = S(s) r[b]`` and ``w[b] = F(s) r[b]`` are linearised as::
 
-        0 <= y[l] <= S(s),  y[l] <= S_max r[l]          (memory row: - sum_l y[l])
-        w[l] >= F(s) - F_max (1 - r[l]),  w[l] >= 0     (objective: + weight sum_l w[l])
-        r[l] >= r[l+1] (full), r[l] <= r[l+1] (selective) (which copies: full the first,
-                                                          selective the last ones)
-        r_this[l] + r_other[l] <= 1                      (the full layer, or a selective
-                                                          region sharing an op with it)
+        0 <= y[b] <= S(s) + L (1 - r[b]),  y[b] <= S_max r[b]
+                                                        (memory row: - sum_b 2^b y[b];
+                                                         L: S's most negative value)
+        w[b] >= F(s) - F_max (1 - r[b]),  w[b] >= 0     (objective: + weight sum_b 2^b w[b])
+        n <= copies;  n = copies or 0 when a hint forces or forbids it
+
+    Regions that cannot share a layer (``RecomputeBudget``) share its copies.
     """
 
     name: str
@@ -93,10 +97,17 @@ class RecomputeTerm:
     saving_bound: float
     forward_bound: float
     weight: float = 1.0  # microbatches per step: the forward runs again for each
-    # regions of the same layers that cannot be recomputed with this one (the full layer;
-    # selective regions sharing an op): at most one of them per layer copy
-    excludes: tuple[str, ...] = ()
     forced: bool | None = None  # True: recompute every copy; False: none
+
+
+@dataclass(frozen=True)
+class RecomputeBudget:
+    """Regions of one layer class of which at most one applies per layer (the full layer
+    and selective regions that share ops): ``sum_regions n <= copies``. Which copies each
+    takes is ``passes.recompute.chosen_layers``."""
+
+    regions: tuple[str, ...]
+    copies: int
 
 
 @dataclass
@@ -112,7 +123,11 @@ class IlpProblem:
     allowed: dict[str, set[int]] = field(default_factory=dict)
     memory_limit: float | None = None
     recompute: list[RecomputeTerm] = field(default_factory=list)
+    recompute_budgets: list[RecomputeBudget] = field(default_factory=list)
     buckets: int = 1  # gradient-sync buckets (layers): see the exposed-communication rows
+    # a lower bound instead: the backward hides all overlappable communication (the
+    # exposed-communication rows dropped; whatever the ZeRO stage, that part costs >= 0)
+    hide_all: bool = False
 
 
 @dataclass
@@ -146,6 +161,7 @@ def dominates(better: IlpProblem, worse: IlpProblem) -> bool:
         and better.memory_limit == worse.memory_limit
         and better.edges == worse.edges
         and better.recompute == worse.recompute
+        and better.recompute_budgets == worse.recompute_budgets
         and no_larger(better.overlappable, worse.overlappable)
         and no_larger(better.memory, worse.memory)
     )
@@ -207,8 +223,9 @@ def solve_ilp(
     hiding = sum(min(row) for row in problem.hidden_by.values() if row)
     overlapped = pulp.lpSum(overlap_terms + overlapped_edges)
     k = max(problem.buckets, 1)
-    model += exposed >= overlapped - (k - 1) / k * hiding
-    model += exposed >= overlapped / k
+    if not problem.hide_all:
+        model += exposed >= overlapped - (k - 1) / k * hiding
+        model += exposed >= overlapped / k
     objective.append(exposed)
 
     saved_terms, recompute_vars = _add_recompute(model, problem, select, objective)
@@ -242,8 +259,8 @@ def solve_ilp(
             choice[name] = max(range(len(values)), key=lambda k: values[k])
     recompute = (
         {
-            name: sum(1 for r in flags if (r.value() or 0.0) > 0.5)
-            for name, flags in recompute_vars.items()
+            name: sum(weight for weight, r in digits if (r.value() or 0.0) > 0.5)
+            for name, digits in recompute_vars.items()
         }
         if feasible
         else {}
@@ -269,11 +286,11 @@ def _add_recompute(
     problem: IlpProblem,
     select: dict[str, list[pulp.LpVariable | float]],
     objective: list[object],
-) -> tuple[list[object], dict[str, list[pulp.LpVariable]]]:
-    """Recompute variables (see ``RecomputeTerm``); returns the memory they free and the
-    binaries per region."""
+) -> tuple[list[object], dict[str, list[tuple[int, pulp.LpVariable]]]]:
+    """Recompute variables (see ``RecomputeTerm``); returns the memory they free and, per
+    region, the binary digits of its count with their weights."""
     freed: list[object] = []
-    flags: dict[str, list[pulp.LpVariable]] = {}
+    digits: dict[str, list[tuple[int, pulp.LpVariable]]] = {}
     terms = problem.recompute
     if problem.memory_limit is None:
         # recomputing only costs time when memory does not bind: only what hints force
@@ -293,28 +310,31 @@ def _add_recompute(
             for c, v in zip(row, select[d], strict=True)
             if c
         )
-        flags[term.name] = []
-        for copy in range(term.copies):
-            r = model.add_variable(f"r_{t}_{copy}", cat=pulp.LpBinary)
-            y = model.add_variable(f"y_{t}_{copy}", lowBound=0)
-            w = model.add_variable(f"w_{t}_{copy}", lowBound=0)
-            model += y <= saving
+        # a region's net saving can be negative for some choices (the inputs only its
+        # checkpoint keeps outweigh what it frees): y <= S(s) must then bind only where it
+        # is recomputed, or it would forbid those choices outright
+        slack = -sum(min(0.0, *row) for row in term.saving.values()) / GIB
+        digits[term.name] = []
+        for bit in range(term.copies.bit_length()):
+            weight = 1 << bit
+            r = model.add_variable(f"r_{t}_{bit}", cat=pulp.LpBinary)
+            y = model.add_variable(f"y_{t}_{bit}", lowBound=0)
+            w = model.add_variable(f"w_{t}_{bit}", lowBound=0)
+            model += y <= saving + slack * (1 - r)
             model += y <= term.saving_bound / GIB * r
             model += w >= forward - term.forward_bound * (1 - r)
-            if term.forced is not None:
-                model += r == (1 if term.forced else 0)
-            if copy:  # symmetric copies: full recompute takes the first, selective the last
-                earlier = flags[term.name][-1]
-                model += (earlier >= r) if term.kind == "full" else (earlier <= r)
-            freed.append(y)
-            objective.append(term.weight * w)
-            flags[term.name].append(r)
-    for term in terms:
-        for other in term.excludes:
-            if other in flags and other < term.name:  # each pair once
-                for mine, theirs in zip(flags[term.name], flags[other], strict=True):
-                    model += mine + theirs <= 1
-    return freed, flags
+            freed.append(weight * y)
+            objective.append(term.weight * weight * w)
+            digits[term.name].append((weight, r))
+        count = pulp.lpSum(weight * r for weight, r in digits[term.name])
+        model += count <= term.copies
+        if term.forced is not None:
+            model += count == (term.copies if term.forced else 0)
+    for budget in problem.recompute_budgets:
+        counts = [weight * r for name in budget.regions for weight, r in digits.get(name, [])]
+        if counts:
+            model += pulp.lpSum(counts) <= budget.copies
+    return freed, digits
 
 
 def _add_edge(

@@ -15,6 +15,7 @@ from cost_model.step import exposed_gradient_sync, mfu
 from passes.annotation import META_KEY
 from passes.costs import dual, zero_layout_of
 from passes.experts import expert_matmul
+from passes.recompute import chosen_layers
 from passes.solve import Solved
 from passes.strategies.graph import NodeChoices
 from passes.trace import TracedModel
@@ -93,16 +94,16 @@ def build_plan(
 def _recompute_regions(
     traced: TracedModel, solved: Solved, microbatches: int
 ) -> tuple[RecomputeRegion, ...]:
-    """The regions the solver chose to recompute, with the layers they apply in: full
-    recompute the first layers of a class, selective the last (``ilp.RecomputeTerm``)."""
+    """The regions the solver chose to recompute, with the layers they apply in
+    (``passes.recompute.chosen_layers``)."""
     found = []
     module_of = {node.name: node.meta[META_KEY].module for node in traced.graph.nodes}
+    layers_of = chosen_layers(solved.regions, solved.recompute)
     for region in solved.regions:
-        copies = solved.recompute.get(region.name, 0)
+        chosen = layers_of.get(region.name, ())
+        copies = len(chosen)
         if not copies:
             continue
-        layers = sorted(region.copies)
-        chosen = layers[:copies] if region.kind == "full" else layers[-copies:]
         nodes = tuple(n for layer in chosen for n in region.copies[layer])
         modules = tuple(sorted({module_of[n] for n in nodes}))
         saving = sum(region.saving[d][solved.choice[d]] for d in region.saving)

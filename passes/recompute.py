@@ -19,8 +19,10 @@ outside it; its inputs are kept by the checkpoint, and ops outside keep theirs. 
 region saves and costs depends on the strategies chosen (its tensors shrink with
 their layouts), so each is given as coefficients per decision choice, for one layer:
 ``saving[d][k]`` bytes per device and ``forward[d][k]`` seconds. ``ilp.solve_ilp`` adds, per
-region and per layer copy ``l``, a binary ``r[l]`` (recompute it) and linearises the products
-with the choices (see ``ilp.py``). The tensor a region hands to the rest of the layer is
+region, how many of its layer copies to recompute (an integer in binary digits) and
+linearises its products with the choices (see ``ilp.RecomputeTerm``); regions that cannot
+share a layer share its copies (``recompute_budgets``), and ``chosen_layers`` says which
+copies each takes. The tensor a region hands to the rest of the layer is
 not saved by it (it is saved by its consumer, or kept as the next layer's input): only
 what stays inside the region is.
 """
@@ -36,7 +38,7 @@ import torch
 from passes.annotation import META_KEY
 from passes.costs import CostModel
 from passes.decisions import Decisions
-from passes.ilp import RecomputeTerm
+from passes.ilp import RecomputeBudget, RecomputeTerm
 from plans.errors import HintError
 
 # element-wise ops that make wide activations cheaply
@@ -290,9 +292,7 @@ def _clash(a: Region, b: Region) -> bool:
 
 
 def recompute_terms(regions: list[Region], microbatches: int) -> list[RecomputeTerm]:
-    """The ILP's view of the regions: one term per region, each excluding the regions of the
-    same layers it cannot go with (the full layer; selective regions sharing an op)."""
-
+    """The ILP's view of the regions: one term per region."""
     return [
         RecomputeTerm(
             name=r.name,
@@ -303,11 +303,67 @@ def recompute_terms(regions: list[Region], microbatches: int) -> list[RecomputeT
             saving_bound=r.saving_bound,
             forward_bound=r.forward_bound,
             weight=float(microbatches),
-            excludes=tuple(o.name for o in regions if _clash(r, o)),
             forced=r.forced,
         )
         for r in regions
     ]
+
+
+def recompute_budgets(regions: list[Region]) -> list[RecomputeBudget]:
+    """Per layer class, the regions that share its copies: the full layer with each group
+    of selective regions linked by shared ops (``_exclusive_groups``)."""
+    budgets = []
+    for members in _classes(regions).values():
+        full = tuple(r.name for r in members if r.kind == "full")
+        for group in _exclusive_groups(members):
+            names = full + tuple(r.name for r in group)
+            if len(names) > 1:
+                budgets.append(RecomputeBudget(names, len(members[0].copies)))
+    return budgets
+
+
+def chosen_layers(regions: list[Region], counts: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """Which layers each region recomputes, given how many (the ILP's counts): the full
+    layer the first layers of its class; a group of selective regions sharing ops the last
+    ones, one region after another back from the end, so that no two regions that cannot
+    share a layer meet (their counts fit the copies: ``recompute_budgets``)."""
+    chosen: dict[str, tuple[int, ...]] = {}
+    for members in _classes(regions).values():
+        layers = sorted(members[0].copies)
+        for region in members:
+            if region.kind == "full":
+                chosen[region.name] = tuple(layers[: counts.get(region.name, 0)])
+        for group in _exclusive_groups(members):
+            end = len(layers)
+            for region in group:
+                count = counts.get(region.name, 0)
+                chosen[region.name] = tuple(layers[end - count : end])
+                end -= count
+    return {name: layers for name, layers in chosen.items() if layers}
+
+
+def _classes(regions: list[Region]) -> dict[tuple[int, ...], list[Region]]:
+    """Regions by the layers they repeat in (one layer class each)."""
+    classes: dict[tuple[int, ...], list[Region]] = defaultdict(list)
+    for region in regions:
+        classes[tuple(sorted(region.copies))].append(region)
+    return classes
+
+
+def _exclusive_groups(members: list[Region]) -> list[list[Region]]:
+    """The selective regions of one class in groups connected by shared ops (a run of
+    element-wise ops, and the same run with the matmul that makes its input); the order
+    is deterministic (``chosen_layers`` and ``recompute_budgets`` must agree on it)."""
+    selective = [r for r in members if r.kind == "selective"]
+    groups: list[list[Region]] = []
+    for region in selective:
+        linked = [g for g in groups if any(_clash(region, other) for other in g)]
+        merged = [region]
+        for group in linked:
+            groups.remove(group)
+            merged = group + merged
+        groups.append(merged)
+    return groups
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ constraints); runs, in order:
 2. ``layer_representatives``: identical layers (``passes.layer_sharing``);
 3. ``group_decisions``: the ILP's decisions (``passes.decisions``);
 4. ``build_problem``: coefficients from the cost model (``passes.problem``);
-5. ``solve_ilp`` (``passes.ilp``), first with plain data-parallel optimizer state, then
-   with ZeRO-1 and ZeRO-2 sharding of it if the memory limit calls for them.
+5. ``solve_ilp`` (``passes.ilp``), first the fastest plan with no memory row, then, if it
+   does not fit, under the limit for each ZeRO stage with recomputation as variables.
 
 Writes a ``Solved``: the choice of every decision and what it costs. When nothing fits even
 with everything sharded, raises ``InfeasiblePlanError`` with the minimum memory per device,
@@ -33,6 +33,7 @@ from passes.recompute import (
     Region,
     apply_recompute_hints,
     find_regions,
+    recompute_budgets,
     recompute_terms,
 )
 from passes.strategies.graph import NodeChoices, graph_choices
@@ -68,6 +69,8 @@ class SolveRequest:
     microbatches: int = 1  # per step: weighs per-microbatch time against per-step sync
     batch_scale: float = 1.0  # activations' share of the traced batch (see CostModel)
     recompute_hints: tuple[RecomputeHint, ...] = ()  # forced or forbidden (hints)
+    # the caller found the fastest plan too large already: solve under the limit directly
+    known_unfit: bool = False
 
 
 @dataclass
@@ -206,7 +209,7 @@ def _solve(
     allowed = allowed_choices(decisions, request.constraints(mesh))
     mesh_cost = MeshCost(mesh, load_preset(mesh.device))
 
-    def build(zero: int, limit: float | None, recompute: bool = True) -> Built:
+    def build(zero: int, limit: float | None) -> Built:
         cost = CostModel(
             mesh_cost, request.optimizer, request.precision, zero, batch_scale=request.batch_scale
         )
@@ -215,11 +218,12 @@ def _solve(
         )
         regions = (
             find_regions(traced.graph, decisions, cost, representatives)
-            if (limit is not None and recompute) or request.recompute_hints
+            if limit is not None or request.recompute_hints
             else []
         )
         apply_recompute_hints(regions, request.recompute_hints, traced.graph)
         parts.problem.recompute = recompute_terms(regions, request.microbatches)
+        parts.problem.recompute_budgets = recompute_budgets(regions)
         parts.problem.buckets = traced.layers.count if traced.layers else 1
         return Built(zero, cost, parts, regions)
 
@@ -264,22 +268,19 @@ def _solve(
         )
 
     levels = request.zero_levels
-    fastest = run(build(levels[0], None))
-    if fastest is not None and (
-        request.memory_limit is None or fastest.memory() <= request.memory_limit
-    ):
-        return fastest
-    # ZeRO before recomputation: sharding optimizer state and gradients re-partitions
-    # communication a step makes anyway, recomputation adds forward time; and the ILP with
-    # recompute binaries per layer copy is a much harder MIP (minutes on 96 layers). So
-    # the ILP decides recomputation (jointly with sharding) only when no ZeRO stage fits
-    # without it, or when hints force or forbid it.
-    for with_recompute in (False, True):
-        built = [build(zero, request.memory_limit, with_recompute) for zero in levels]
-        found = _solve_levels(built, run)
-        if found is not None:
-            return found
-    raise infeasible_error(built[-1].parts, request)
+    if request.memory_limit is None or not request.known_unfit:
+        fastest = run(build(levels[0], None))
+        if fastest is not None and (
+            request.memory_limit is None or fastest.memory() <= request.memory_limit
+        ):
+            return fastest
+    # under the limit: every ZeRO stage with the recompute candidates as variables, so the
+    # MIP trades recomputation against sharding and ZeRO (``ilp.RecomputeTerm``)
+    built = [build(zero, request.memory_limit) for zero in levels]
+    found = _solve_levels(built, run)
+    if found is None:
+        raise infeasible_error(built[-1].parts, request)
+    return found
 
 
 @dataclass

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from passes.annotation import META_KEY
+from passes.recompute import chosen_layers
 from passes.solve import Solved
 from passes.trace import TracedModel
 
@@ -89,7 +90,7 @@ def layer_costs(traced: TracedModel, solved: Solved) -> LayerCosts:
     decisions = solved.decisions
     kept: set[tuple[str, int]] = set()  # activations whose resharded copy is counted
     for node in traced.graph.nodes:
-        if node.name not in decisions.bindings or node.op != "call_function":
+        if node.name not in decisions.bindings or node.op not in ("call_function", "output"):
             continue
         binding = decisions.bindings[node.name]
         if binding.source is not None:
@@ -97,10 +98,13 @@ def layer_costs(traced: TracedModel, solved: Solved) -> LayerCosts:
         note = node.meta[META_KEY]
         strategy = solved.strategy(node.name)
         part = part_of[node.name]
-        fwd, bwd = cost.op_time(note, strategy)
-        part.compute_s += fwd + bwd
-        part.forward_s += fwd
-        part.activations += cost.activation_bytes(note, strategy)
+        if node.op == "call_function":
+            fwd, bwd = cost.op_time(note, strategy)
+            part.compute_s += fwd + bwd
+            part.forward_s += fwd
+            part.activations += cost.activation_bytes(note, strategy)
+        # (the output's inputs: the layouts the step returns its results in, as the ILP
+        # costs them)
         if binding.mapping is not None:
             continue  # a follower takes its producer's layout as it is
         for i, source in enumerate(decisions.choices[node.name].inputs):
@@ -140,16 +144,15 @@ def layer_costs(traced: TracedModel, solved: Solved) -> LayerCosts:
 
 def recomputed_layers(solved: Solved) -> dict[int, tuple[float, float]]:
     """Layer index -> (activation bytes freed, forward seconds added) per traced
-    microbatch, for the recompute regions the solver chose: full recompute on the first
-    layers of a class, selective on the last (``ilp.RecomputeTerm``)."""
+    microbatch, for the recompute regions the solver chose, in the layers
+    ``passes.recompute.chosen_layers`` gives them."""
     found: dict[int, tuple[float, float]] = {}
     scale = solved.cost.batch_scale or 1.0
+    layers_of = chosen_layers(solved.regions, solved.recompute)
     for region in solved.regions:
-        copies = solved.recompute.get(region.name, 0)
-        if not copies:
+        chosen = layers_of.get(region.name, ())
+        if not chosen:
             continue
-        layers = sorted(region.copies)
-        chosen = layers[:copies] if region.kind == "full" else layers[-copies:]
         saving = sum(region.saving[d][solved.choice[d]] for d in region.saving) / scale
         forward = sum(region.forward[d][solved.choice[d]] for d in region.forward)
         for layer in chosen:

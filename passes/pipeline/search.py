@@ -30,6 +30,7 @@ from cost_model.collectives import MeshCost
 from cost_model.compute import peak_flops
 from cost_model.memory import microbatches_in_flight
 from cost_model.step import exposed_gradient_sync, mfu, pipeline_time
+from passes.ilp import solve_ilp
 from passes.pipeline.layer_costs import LayerCosts, Part, layer_costs
 from passes.pipeline.stage_cut import StageCut, cut_stages, evaluate_cut
 from passes.plan_build import build_plan
@@ -97,74 +98,129 @@ class Candidate:
 
 
 def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
-    """The fastest plan over stage counts, schedules and microbatches (module docstring)."""
+    """The fastest plan over stage counts, schedules and microbatches (module docstring).
+
+    Two passes over the stage counts. First the fastest intra-op plan of each, memory set
+    aside, costed for every microbatch size and schedule (memory per stage is checked when
+    cutting): where one fits, that stage count is done. Then the stage counts where none
+    fit, the most promising first, each skipped when a lower bound on its step time
+    (``_lower_bound``) is above the best found: those need the memory-bounded solves, the
+    slow part of planning (ZeRO and recomputation in the ILP)."""
     _check(traced, request)
     mesh = request.solve.mesh
     layers = traced.layers.count if traced.layers else 0
     limit = request.solve.memory_limit
-    candidates: list[Candidate] = []
-    smallest: tuple[float, str] | None = None
-    errors: list[InfeasiblePlanError] = []
+    search = _Search(traced, request)
+    pending: list[tuple[float, int]] = []
     for p in _stage_counts(mesh, layers, request):
-        stage_mesh = _stage_mesh(mesh, p)
-        sizes = _microbatch_sizes(request, stage_mesh)
+        sizes = _microbatch_sizes(request, _stage_mesh(mesh, p))
         if not sizes:
             continue
-        # a plan solved for the smallest microbatch with the whole model within p devices'
-        # limits (a stage holds 1/p of the layers): the fastest plan when it fits them
-        # (memory per stage is checked when cutting; when the fastest plan does not fit
-        # p devices, no cut of it fits), otherwise one with ZeRO and recomputation as they
+        solved = search.solve(p, None, sizes)
+        if solved is not None and not search.cost(p, solved, sizes) and limit is not None:
+            pending.append((_lower_bound(solved, p, request.solve.time_limit), p))
+    for bound, p in sorted(pending):
+        best = min((c.step_time_s for c in search.candidates), default=float("inf"))
+        if bound > best:
+            continue
+        assert limit is not None
+        sizes = _microbatch_sizes(request, _stage_mesh(mesh, p))
+        # a plan for the smallest microbatch with the whole model within p devices'
+        # limits (a stage holds 1/p of the layers), with ZeRO and recomputation as they
         # need; then, if the stages' in-flight activations still overflow, within one
-        # device's limit (what 1F1B's first stage holds: p microbatches of 1/p of the layers)
-        bounds = [None] if limit is None else [limit * p, limit] if p > 1 else [limit]
-        for bound in bounds:
-            solve = replace(
-                request.solve,
-                mesh=stage_mesh,
-                memory_limit=bound,
-                microbatches=max(request.global_batch // request.traced_batch, 1),
-                batch_scale=min(sizes) / request.traced_batch,
-            )
-            try:
-                solved = solve_sharding(traced, solve)
-            except InfeasiblePlanError as error:
-                errors.append(error)
+        # device's (what 1F1B's first stage holds: p microbatches of 1/p of the layers)
+        for memory in [limit * p, limit] if p > 1 else [limit]:
+            solved = search.solve(p, memory, sizes)
+            if solved is None or search.cost(p, solved, sizes):
                 break
-            costs = layer_costs(traced, solved)
-            mesh_cost = solved.cost.mesh_cost
-            fitted = 0
-            for b in sizes:
-                m = request.global_batch // b
-                scale = b / request.traced_batch
-                for schedule, chunks in _schedules(p, layers, request):
-                    found = _evaluate(
-                        costs,
-                        solved,
-                        stage_mesh,
-                        mesh_cost,
-                        p,
-                        schedule,
-                        chunks,
-                        b,
-                        m,
-                        scale,
-                        limit,
-                        request,
-                    )
-                    if isinstance(found, Candidate):
-                        candidates.append(found)
-                        fitted += 1
-                    elif found is not None and (smallest is None or found[0] < smallest[0]):
-                        smallest = found
-            if fitted or limit is None:
-                break
-    if not candidates:
-        raise _nothing_fits(mesh, limit, smallest, errors)
+    if not search.candidates:
+        raise _nothing_fits(mesh, limit, search.smallest, search.errors)
     # ties (the roofline scales compute and traffic with the microbatch, so splitting the
     # batch is often free on paper): fewer microbatches, whose larger kernels and fewer
     # collective launches the model does not see; then the leaner one
-    candidates.sort(key=lambda c: (float(f"{c.step_time_s:.9g}"), c.microbatches, c.memory))
+    candidates = sorted(
+        search.candidates,
+        key=lambda c: (float(f"{c.step_time_s:.9g}"), c.microbatches, c.memory),
+    )
     return _to_plan(traced, request, candidates[0], candidates[1:6])
+
+
+def _lower_bound(solved: Solved, p: int, time_limit: float) -> float:
+    """Step time no configuration with ``p`` stages beats: the least compute and
+    resharding of any plan on a stage's mesh, with no memory limit (so no ZeRO or
+    recomputation) and all overlappable communication hidden (``IlpProblem.hide_all``),
+    spread evenly over the stages with no bubble. A step of ``m`` microbatches takes at
+    least ``m`` times the slowest stage, at least their sum over ``p``; a smaller
+    microbatch costs proportionally (the search's scaling), so ``m`` times the whole is the
+    same at every size."""
+    problem = replace(
+        solved.parts.problem, memory_limit=None, recompute=[], recompute_budgets=[], hide_all=True
+    )
+    relaxed = solve_ilp(problem, time_limit)
+    return (relaxed.report.objective or 0.0) / p if relaxed.feasible else 0.0
+
+
+class _Search:
+    """The configurations costed so far, and why the others did not fit."""
+
+    def __init__(self, traced: TracedModel, request: PipelineRequest) -> None:
+        self.traced = traced
+        self.request = request
+        self.layers = traced.layers.count if traced.layers else 0
+        self.candidates: list[Candidate] = []
+        self.smallest: tuple[float, str] | None = None
+        self.errors: list[InfeasiblePlanError] = []
+
+    def solve(self, p: int, memory: float | None, sizes: list[int]) -> Solved | None:
+        """The intra-op plan on one stage's mesh: the fastest (``memory`` None), else the
+        fastest within ``memory`` for the smallest microbatch."""
+        request = self.request
+        solve = replace(
+            request.solve,
+            mesh=_stage_mesh(request.solve.mesh, p),
+            memory_limit=memory,
+            microbatches=max(request.global_batch // request.traced_batch, 1),
+            batch_scale=min(sizes) / request.traced_batch,
+            known_unfit=memory is not None,
+        )
+        try:
+            return solve_sharding(self.traced, solve)
+        except InfeasiblePlanError as error:
+            self.errors.append(error)
+            return None
+
+    def cost(self, p: int, solved: Solved, sizes: list[int]) -> int:
+        """Cost every microbatch size and schedule of ``solved`` with ``p`` stages; returns
+        how many fit."""
+        request = self.request
+        costs = layer_costs(self.traced, solved)
+        stage_mesh = _stage_mesh(request.solve.mesh, p)
+        limit = request.solve.memory_limit
+        fitted = 0
+        for b in sizes:
+            m = request.global_batch // b
+            scale = b / request.traced_batch
+            for schedule, chunks in _schedules(p, self.layers, request):
+                found = _evaluate(
+                    costs,
+                    solved,
+                    stage_mesh,
+                    solved.cost.mesh_cost,
+                    p,
+                    schedule,
+                    chunks,
+                    b,
+                    m,
+                    scale,
+                    limit,
+                    request,
+                )
+                if isinstance(found, Candidate):
+                    self.candidates.append(found)
+                    fitted += 1
+                elif found is not None and (self.smallest is None or found[0] < self.smallest[0]):
+                    self.smallest = found
+        return fitted
 
 
 def _check(traced: TracedModel, request: PipelineRequest) -> None:

@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 
 import autopar
+from cost_model.collectives import MeshCost
+from cost_model.hardware import load_preset
 from cost_model.step import bubble_fraction
 from examples.models import build, mlp
+from passes.annotation import TensorInfo
+from passes.costs import CostModel
+from passes.trace import trace
 from plans import UsageError
 
 
@@ -104,3 +109,29 @@ def test_bad_pipeline_options_are_refused_with_a_reason(options, message):
         autopar.plan(
             model, autopar.Mesh((4,), device="h100-sxm"), inputs, global_batch=64, **options
         )
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("zero", [0, 2])
+def test_without_a_pipeline_every_parameter_holds_its_states_once(tied, zero):
+    """A plan without a pipeline holds each parameter's states (weights, gradients,
+    optimizer state) once. The tied embedding and head (``wte.weight``, also
+    ``lm_head.weight``), used before the layers and after them, is in both end parts, so it
+    alone is subtracted once; the final norm, used only after the layers, and the position
+    table, only before, count like any other parameter."""
+    model, inputs = build("gpt-tiny", tie_embeddings=tied)
+    mesh = autopar.Mesh((2,), device="h100-sxm")
+    plan = autopar.plan(model, mesh, inputs, stages=1, zero=zero)
+    assert plan.parallelism.pp == 1 and plan.parallelism.zero == zero
+    traced = trace(model, inputs)
+    assert ("lm_head.weight" in traced.params) is not tied
+    cost = CostModel(MeshCost(mesh, load_preset(mesh.device)), zero=zero)
+    states = {
+        name: cost.param_cost(TensorInfo(info.shape, info.dtype), plan.params[name].param).memory
+        for name, info in traced.params.items()
+    }
+    assert states["ln_f.weight"] > 0  # what subtracting more than the tied weight would lose
+    memory = plan.estimate.memory_per_device_bytes
+    assert memory.params + memory.grads + memory.optimizer == pytest.approx(
+        sum(states.values()), rel=1e-12
+    )
