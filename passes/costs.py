@@ -154,12 +154,18 @@ class CostModel:
             known = self._edge_cache[key] = self._edge_time(info, src, dst, requires_grad)
         return known
 
-    def _edge_time(
-        self, info: TensorInfo, src: Layout, dst: Layout, requires_grad: bool
-    ) -> tuple[float, float]:
+    def wire_itemsize(self, info: TensorInfo) -> int:
+        """Bytes per element a collective moves of ``info``: traced fp32 travels in the
+        compute dtype."""
         itemsize = info.nbytes // max(info.numel, 1)
         if info.dtype == "float32":
             itemsize = max(1, round(itemsize * self.activation_scale))
+        return itemsize
+
+    def _edge_time(
+        self, info: TensorInfo, src: Layout, dst: Layout, requires_grad: bool
+    ) -> tuple[float, float]:
+        itemsize = self.wire_itemsize(info)
         fwd = self.mesh_cost.reshard(src, dst, info.shape, itemsize).time
         if not requires_grad:
             return fwd, 0.0

@@ -367,7 +367,7 @@ def _edge_traffic(
             if (source.producer, source.index, dst) in seen:
                 continue
             seen.add((source.producer, source.index, dst))
-            itemsize = max(1, info.nbytes // max(info.numel, 1))
+            itemsize = solved.cost.wire_itemsize(info)  # as the ILP costs it
             forward = mesh_cost.reshard(src, dst, info.shape, itemsize)
             total += forward.sent
             counts.update(_per_axis_counts(forward))

@@ -170,7 +170,8 @@ def _boundary_bytes(
     traced: TracedModel, solved: Solved, part_of: dict[str, Part], part: Part, following: Part
 ) -> float:
     """Bytes per device of the tensors ``part`` produces that later parts consume: what a
-    pipeline cut after it sends to the next stage (its local shards)."""
+    pipeline cut after it sends to the next stage (its local shards, in the compute
+    dtype)."""
     mesh_shape = solved.cost.mesh_shape
     total = 0.0
     for node in traced.graph.nodes:
@@ -186,6 +187,8 @@ def _boundary_bytes(
         if note.kind == "view" and note.alias_of is not None:
             continue  # sent with its base
         layout = solved.output_layout(node.name)
-        total += note.outputs[0].nbytes / layout.shard_factor(mesh_shape)
+        info = note.outputs[0]
+        wire = solved.cost.wire_itemsize(info) * info.numel  # fp32 as traced: sent in bf16
+        total += wire / layout.shard_factor(mesh_shape)
     del following
     return total
