@@ -24,6 +24,7 @@ Objective::
     min  sum_d sum_k s[d,k] (compute[d,k] + comm[d,k])
        + sum_edges sum_{p,q} R[p,q] e[p,q]
        + t
+       + recomputed forward time (``RecomputeTerm``)
 
 Constraints::
 
@@ -31,8 +32,11 @@ Constraints::
     sum_q e[p,q] = sum_{k in p} s[d,k],  sum_p e[p,q] = sum_{l in q} s[d',l]   per edge
     t >= sum s.overlappable - (k - 1) / k B_min,   t >= sum s.overlappable / k
         (B_min: the backward at its least, sum_d min_k hidden_by[d,k]; a constant)
-    sum_d sum_k s[d,k] memory[d,k] <= memory limit   (bytes per device)
+    sum_d sum_k s[d,k] memory[d,k] - freed <= memory limit   (bytes per device; freed:
+        what the recomputed layer copies give back, ``RecomputeTerm``)
     s[d,k] = 0 for k not in allowed[d]               (forced strategies and hints)
+    objective <= cutoff                              (optional: "beat this or say so",
+        which the solver proves fast; ``passes.solve`` chains ZeRO stages with it)
 
 HiGHS (through PuLP's highspy interface) solves it; CBC is the fallback. The status, time,
 gap and problem size are returned, never hidden.
