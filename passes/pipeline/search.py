@@ -34,7 +34,7 @@ from passes.ilp import solve_ilp
 from passes.pipeline.layer_costs import LayerCosts, Part, layer_costs
 from passes.pipeline.stage_cut import StageCut, cut_stages, evaluate_cut
 from passes.plan_build import build_plan
-from passes.solve import Solved, SolveRequest, solve_sharding
+from passes.solve import Solved, SolveRequest, group_axes, solve_sharding
 from passes.trace import TracedModel
 from plans.errors import InfeasiblePlanError, UsageError
 from plans.mesh import MeshSpec
@@ -118,7 +118,7 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
             continue
         solved = search.solve(p, None, sizes)
         if solved is not None and not search.cost(p, solved, sizes) and limit is not None:
-            pending.append((_lower_bound(solved, p, request.solve.time_limit), p))
+            pending.append((_lower_bound(solved, mesh, p, request.solve.time_limit), p))
     for bound, p in sorted(pending):
         best = min((c.step_time_s for c in search.candidates), default=float("inf"))
         if bound > best:
@@ -145,7 +145,7 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
     return _to_plan(traced, request, candidates[0], candidates[1:6])
 
 
-def _lower_bound(solved: Solved, p: int, time_limit: float) -> float:
+def _lower_bound(solved: Solved, mesh: MeshSpec, p: int, time_limit: float) -> float:
     """Step time no configuration with ``p`` stages beats: the least compute and
     resharding of any plan on a stage's mesh, with no memory limit (so no ZeRO or
     recomputation) and all overlappable communication hidden (``IlpProblem.hide_all``),
@@ -153,6 +153,10 @@ def _lower_bound(solved: Solved, p: int, time_limit: float) -> float:
     least ``m`` times the slowest stage, at least their sum over ``p``; a smaller
     microbatch costs proportionally (the search's scaling), so ``m`` times the whole is the
     same at every size."""
+    if len(group_axes(_stage_mesh(mesh, p))) > 1:
+        # solved on the best of several groupings of the axes: a bound from one grouping's
+        # problem says nothing of the others' (a mesh of three axes or more)
+        return 0.0
     problem = replace(
         solved.parts.problem, memory_limit=None, recompute=[], recompute_budgets=[], hide_all=True
     )

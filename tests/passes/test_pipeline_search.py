@@ -135,3 +135,13 @@ def test_without_a_pipeline_every_parameter_holds_its_states_once(tied, zero):
     assert memory.params + memory.grads + memory.optimizer == pytest.approx(
         sum(states.values()), rel=1e-12
     )
+
+
+def test_no_stage_count_is_pruned_by_one_grouping_of_a_three_axis_mesh():
+    """The lower bound that lets the search skip a stage count is read off the fastest
+    plan's ILP; on a mesh of three axes that plan is the best of several groupings of the
+    axes, and one grouping's bound says nothing of the others': no bound (0) there."""
+    from passes.pipeline.search import _lower_bound
+
+    mesh = autopar.Mesh((4, 4, 2), ("node", "gpu", "gpu_in"), device="h100-sxm")
+    assert _lower_bound(None, mesh, 2, 60.0) == 0.0  # type: ignore[arg-type]
