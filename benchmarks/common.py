@@ -130,6 +130,20 @@ def trace_with_loss(name: str, batch: int, **overrides: Any) -> tuple[TracedMode
     return traced, time.perf_counter() - start
 
 
+# the models and device counts the benchmarks plan (speed; plan quality with --full)
+MODELS = (
+    "gpt2-124m",
+    "gpt3-1.3b",
+    "gpt3-6.7b",
+    "gpt3-13b",
+    "gpt3-175b",
+    "llama3-8b",
+    "llama3-70b",
+    "mixtral-8x7b",
+)
+MESHES = (8, 64, 512, 1024)
+
+
 def cluster(devices: int) -> autopar.Mesh:
     """``devices`` H100s as nodes of 8 (one node when fewer)."""
     per_node = min(devices, 8)

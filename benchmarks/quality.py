@@ -46,6 +46,8 @@ from typing import Any
 import autopar
 from benchmarks.common import (
     MEMORY_LIMIT,
+    MESHES,
+    MODELS,
     PRESET,
     cluster,
     plan_traced,
@@ -63,17 +65,6 @@ DEFAULT_CASES = (
     ("llama3-70b", 512),
     ("gpt3-175b", 1024),
 )
-FULL_MODELS = (
-    "gpt2-124m",
-    "gpt3-1.3b",
-    "gpt3-6.7b",
-    "gpt3-13b",
-    "gpt3-175b",
-    "llama3-8b",
-    "llama3-70b",
-    "mixtral-8x7b",
-)
-FULL_MESHES = (8, 64, 512, 1024)
 QUICK_CASES = (("gpt-tiny", 8),)
 # global batch in sequences: tokens per step as the models' papers (GPT-3 Table 2.1,
 # Llama 3 Sec. 3.4.1), at least one sequence per device
@@ -348,7 +339,7 @@ def cases(quick: bool, full: bool) -> list[tuple[str, int]]:
     if quick:
         return list(QUICK_CASES)
     if full:
-        return [(m, d) for m in FULL_MODELS for d in FULL_MESHES]
+        return [(m, d) for m in MODELS for d in MESHES]
     return list(DEFAULT_CASES)
 
 

@@ -22,24 +22,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from benchmarks.common import MEMORY_LIMIT, cluster, plan_traced, trace_with_loss
+from benchmarks.common import MEMORY_LIMIT, MESHES, MODELS, cluster, plan_traced, trace_with_loss
 from passes.from_plan import PlanLayouts
 from passes.lower_spmd import lower_spmd
 from passes.lower_stages import stage_mesh
 from plans.errors import InfeasiblePlanError
 from plans.units import parse_bytes
 
-MODELS = (
-    "gpt2-124m",
-    "gpt3-1.3b",
-    "gpt3-6.7b",
-    "gpt3-13b",
-    "gpt3-175b",
-    "llama3-8b",
-    "llama3-70b",
-    "mixtral-8x7b",
-)
-MESHES = (8, 64, 512, 1024)
 DEPTHS = (8, 16, 32, 64, 96)
 QUICK_MODELS = ("gpt2-124m",)
 QUICK_MESHES = (8, 64)
