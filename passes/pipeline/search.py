@@ -190,7 +190,8 @@ class _Search:
         try:
             return solve_sharding(self.traced, solve)
         except InfeasiblePlanError as error:
-            self.errors.append(error)
+            # the whole mesh at the user's own limit (no pipeline) says it in their terms
+            self.errors.insert(0 if p == 1 else len(self.errors), error)
             return None
 
     def cost(self, p: int, solved: Solved, sizes: list[int]) -> int:

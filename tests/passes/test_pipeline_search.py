@@ -145,3 +145,14 @@ def test_no_stage_count_is_pruned_by_one_grouping_of_a_three_axis_mesh():
 
     mesh = autopar.Mesh((4, 4, 2), ("node", "gpu", "gpu_in"), device="h100-sxm")
     assert _lower_bound(None, mesh, 2, 60.0) == 0.0  # type: ignore[arg-type]
+
+
+def test_nothing_fitting_is_told_at_the_users_limit_on_the_whole_mesh():
+    """When no stage count fits, the error speaks of the limit and mesh the user gave, not
+    of a pipeline candidate's bound (p devices' memory on one stage's mesh)."""
+    from examples.models import build
+    from plans import InfeasiblePlanError
+
+    model, inputs = build("gpt-tiny", device="meta")
+    with pytest.raises(InfeasiblePlanError, match=r"1\.0 KiB per device on x=2 x y=2"):
+        autopar.plan(model, autopar.Mesh((2, 2), device="h100-sxm"), inputs, memory_limit="1KiB")
