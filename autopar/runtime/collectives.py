@@ -58,6 +58,29 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
+def all_gather_rows(flat: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every device's 1-D ``flat`` as the rows of one ``[n, numel]`` tensor (row i from
+    device i): one collective for many parameters' shards laid end to end (FSDP)."""
+    n = dist.get_world_size(group)
+    out = torch.empty((n, flat.numel()), dtype=flat.dtype, device=flat.device)
+    if _gloo(group):
+        dist.all_gather(list(out.unbind(0)), flat, group=group)
+    else:
+        dist.all_gather_into_tensor(out, flat, group=group)
+    return out
+
+
+def reduce_scatter_rows(rows: torch.Tensor, group: Group) -> torch.Tensor:
+    """The sum over devices of row ``rank`` of every device's ``[n, numel]`` ``rows``, a
+    fresh 1-D tensor (``rows`` may be overwritten): the adjoint of ``all_gather_rows``."""
+    if _gloo(group):
+        dist.all_reduce(rows, group=group)
+        return rows[dist.get_rank(group)].clone()  # not a view: it must not keep all rows
+    out = torch.empty(rows.shape[1:], dtype=rows.dtype, device=rows.device)
+    dist.reduce_scatter_tensor(out, rows, group=group)
+    return out
+
+
 def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     out = x.contiguous().clone()
     dist.all_reduce(out, group=group)

@@ -201,8 +201,11 @@ class CompiledModel(nn.Module):
             module = torch.fx.GraphModule(tree, graph, class_name=f"{name}Rank{rank}{label}")
             _share_tree(module, tree)
             modules.append(module)
-        # recompute regions as checkpoints; FSDP's gathered weights regathered in backward
-        install_memory_savers(plan, modules, [p.working for p in zero])
+        # recompute regions as checkpoints; FSDP's gathers grouped per layer, the gathered
+        # weights regathered in backward
+        install_memory_savers(
+            plan, modules, [p.working for p in zero], _param_layers(traced, self.lowered)
+        )
         object.__setattr__(self, "program", modules[0])  # not a child: it shares our tree
         object.__setattr__(self, "stage_modules", modules)
         self._state_keys = _state_keys(model, plan, whole)
@@ -845,6 +848,16 @@ def _state_keys(model: nn.Module, plan: Plan, lowered: LoweredGraph) -> list[tup
         elif key in buffer_of:
             keys.append((key, "buffer", buffer_of[key]))
     return keys
+
+
+def _param_layers(traced: TracedModel, lowered: LoweredGraph) -> dict[str, int | None]:
+    """Each parameter's ``get_attr`` target and its layer in the layer container (None
+    outside it, or without one): how FSDP's gathers are grouped (``runtime.param_groups``)."""
+    container = traced.layers
+    return {
+        target: container.index_of(name) if container is not None else None
+        for target, name in lowered.params.items()
+    }
 
 
 def _held(whole: LoweredGraph, programs: list[StageProgram]) -> LoweredGraph:

@@ -5,36 +5,48 @@
 - FSDP regather: a parameter stored sharded is all-gathered before use; the gathered weight
   is not kept for backward but gathered again there (``runtime.regather``).
 
+Before the regather is set up, each program's all-gathers of parameters are grouped per
+layer into one collective each (``runtime.param_groups``), as FSDP2 gathers a block.
+
 Both act on the programs themselves (the ``GraphModule`` of each pipeline stage, or the one
 program), so a forward call and a pipeline schedule's stage calls get them alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from autopar.runtime.collectives import AllGather
+from autopar.runtime.param_groups import GatherParams, group_param_gathers
 from autopar.runtime.regather import ParamGathers
 from passes.lower_recompute import wrap_recompute
 from plans.plan import Plan
 
 
 def install(
-    plan: Plan, programs: list[torch.fx.GraphModule], working: list[torch.Tensor]
+    plan: Plan,
+    programs: list[torch.fx.GraphModule],
+    working: list[torch.Tensor],
+    param_layers: Mapping[str, int | None],
 ) -> ParamGathers | None:
-    """Wrap ``plan``'s recompute regions in every program, and regather parameters that the
-    programs all-gather (``working``: ZeRO working copies, parameters too). Returns the
-    regather record (None when no program gathers a parameter)."""
+    """Wrap ``plan``'s recompute regions in every program, group the all-gathers of
+    parameters per layer (``param_layers``: each parameter's ``get_attr`` target and its
+    layer, None outside the layers), and regather parameters that the programs all-gather
+    (``working``: ZeRO working copies, parameters too). Returns the regather record (None
+    when no program gathers a parameter)."""
     for program in programs:
         wrap_recompute(program, plan.recompute)
+        # after the regions: a region's own gathers stay in it (run again in backward)
+        group_param_gathers(program, param_layers)
     gathers_params = [
         module
         for program in programs
         for module in program.modules()
-        if isinstance(module, AllGather)
+        if isinstance(module, AllGather | GatherParams)
     ]
     if not gathers_params or not _any_sharded_param(plan):
         return None

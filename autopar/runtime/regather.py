@@ -8,6 +8,10 @@ needs it: the all-gather modules record which tensors they made from a parameter
 ``saved_tensors_hooks`` pair packs such a tensor (or a view of it) as a recipe (the local
 shard and the gathers to replay) and unpacks it by replaying them.
 
+A recipe starts from a ``Source``: a parameter's local shard, or one member of a group of
+parameters gathered together (``runtime.param_groups``), whose first unpack in backward
+gathers the whole group once for all of the group's saved tensors.
+
 Tensors are recognised by identity (through a weak reference), not by address: a freed
 gathered weight's memory may hold another tensor by the time something else is saved.
 """
@@ -15,9 +19,9 @@ gathered weight's memory may hold another tensor by the time something else is s
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,13 +31,37 @@ from autopar.runtime.collectives import all_gather
 Gather = tuple[int, dist.ProcessGroup]  # (tensor dim, process group of one mesh axis)
 
 
+class Source(Protocol):
+    """Where a recipe's replay starts: what backward fetches before the recipe's gathers."""
+
+    def claim(self) -> None:
+        """A saved tensor was packed with a recipe starting here (it will be fetched)."""
+
+    def fetch(self) -> torch.Tensor:
+        """The tensor to replay the gathers on, for one saved tensor being unpacked."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """A parameter's local shard: the recipe's gathers rebuild the whole weight from it."""
+
+    tensor: torch.Tensor
+
+    def claim(self) -> None:
+        return None
+
+    def fetch(self) -> torch.Tensor:
+        return self.tensor.detach()
+
+
 @dataclass(frozen=True)
 class _Recipe:
-    shard: torch.Tensor  # the parameter's local shard
+    source: Source
     gathers: tuple[Gather, ...]
 
     def replay(self) -> torch.Tensor:
-        value = self.shard.detach()
+        value = self.source.fetch()
         for dim, group in self.gathers:
             value = all_gather(value, dim, group)
         return value
@@ -68,12 +96,20 @@ class ParamGathers:
     ) -> None:
         """``output`` was all-gathered from ``source`` along ``dim`` over ``group``."""
         if self._is_param(source):
-            recipe = _Recipe(source, ((dim, group),))
+            recipe = _Recipe(_Shard(source), ((dim, group),))
         else:
             known = self._lookup(source)
             if known is None:
                 return  # an activation: nothing to do
-            recipe = _Recipe(known.shard, (*known.gathers, (dim, group)))
+            recipe = _Recipe(known.source, (*known.gathers, (dim, group)))
+        self._remember(output, recipe)
+
+    def record_sources(self, outputs: Sequence[torch.Tensor], sources: Sequence[Source]) -> None:
+        """Each of ``outputs`` is a whole parameter that ``sources`` can give again."""
+        for output, source in zip(outputs, sources, strict=True):
+            self._remember(output, _Recipe(source, ()))
+
+    def _remember(self, output: torch.Tensor, recipe: _Recipe) -> None:
         for made in (output, output._base):  # autograd may hand out a view of it
             if made is not None:
                 self._made[id(made)] = (weakref.ref(made), recipe)
@@ -97,6 +133,7 @@ class ParamGathers:
         def pack(tensor: torch.Tensor) -> Any:
             recipe = self._lookup(tensor)
             if recipe is not None:
+                recipe.source.claim()
                 return _Packed(
                     recipe, tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset()
                 )

@@ -1,0 +1,303 @@
+"""FSDP's flat gathers: the sharded parameters of one layer all-gathered in one collective.
+
+The lowering gathers each parameter stored sharded on its own, right before its use
+(``passes.lower_spmd``): for a Llama block that is ten all-gathers forward, ten
+reduce-scatters backward (their adjoints) and ten gathers again in backward
+(``runtime.regather``). Each collective pays a fixed latency whatever its size, and on a
+tiny model that latency is most of the step. FSDP2 (``fully_shard`` per block) pays it
+once per block and direction: the block's shards lie end to end in one flat buffer that
+one all-gather fills, and the gradients go back through one reduce-scatter.
+
+``group_param_gathers`` rewrites a rank's program the same way. The all-gathers whose input
+is a parameter (a ``get_attr``) are grouped by mesh axis, dtype and layer of the layer
+container (parameters outside the layers: each run of them between layers is one group,
+so the embedding is not held through the forward for the head); each group becomes one
+``GatherParams`` call, placed before the group's first gather, whose outputs replace the
+single gathers. Its backward is one reduce-scatter of the group's gradients; in backward,
+the first saved weight of the group that is unpacked gathers the whole group once for
+all its saved weights (``GroupRegather``), which are dropped after the last of them.
+
+Values are those of the single gathers: the same pieces concatenated along the same dims,
+the same gradient sums.
+
+>>> group_param_gathers(program, {"layers.0.mlp.up.weight": 0, ...})  # doctest: +SKIP
+5
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from autopar.runtime.collectives import (
+    AllGather,
+    Collective,
+    Group,
+    all_gather_rows,
+    reduce_scatter_rows,
+)
+from plans.errors import UsageError
+
+Shape = tuple[int, ...]
+
+
+def _pieces(whole: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """``whole`` seen as its ``n`` pieces along ``dim``: a ``[n, *piece shape]`` view."""
+    return whole.unflatten(dim, (n, whole.shape[dim] // n)).movedim(dim, 0)
+
+
+def _offsets(shapes: Sequence[Shape]) -> list[tuple[int, int]]:
+    """Where each shard lies in the flat buffer of a group: ``(start, stop)``."""
+    spans, start = [], 0
+    for shape in shapes:
+        stop = start + _numel(shape)
+        spans.append((start, stop))
+        start = stop
+    return spans
+
+
+def _numel(shape: Shape) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def gather_group(
+    shards: Sequence[torch.Tensor], dims: Sequence[int], group: Group
+) -> list[torch.Tensor]:
+    """Each shard all-gathered along its dim, in one collective: the shards laid end to end
+    in one flat buffer, gathered as rows (one per device), each whole copied out of them."""
+    n = dist.get_world_size(group)
+    flat = torch.cat([shard.detach().reshape(-1) for shard in shards])
+    rows = all_gather_rows(flat, group)  # [n, sum of shard numels]
+    wholes = []
+    spans = _offsets([tuple(shard.shape) for shard in shards])
+    for shard, dim, (start, stop) in zip(shards, dims, spans, strict=True):
+        shape = list(shard.shape)
+        shape[dim] *= n
+        whole = torch.empty(shape, dtype=shard.dtype, device=shard.device)
+        _pieces(whole, n, dim).copy_(rows[:, start:stop].view(n, *shard.shape))
+        wholes.append(whole)
+    return wholes
+
+
+def reduce_scatter_group(
+    grads: Sequence[torch.Tensor | None],
+    shapes: Sequence[Shape],
+    dims: Sequence[int],
+    group: Group,
+    like: torch.Tensor,
+) -> list[torch.Tensor]:
+    """The adjoint of ``gather_group``: each whole gradient's pieces summed over devices,
+    this device's piece kept, in one collective (a missing gradient counts as zeros).
+    The results are views of one flat buffer of the group's shard size."""
+    n = dist.get_world_size(group)
+    spans = _offsets(shapes)
+    rows = torch.empty((n, spans[-1][1]), dtype=like.dtype, device=like.device)
+    for grad, shape, dim, (start, stop) in zip(grads, shapes, dims, spans, strict=True):
+        piece = rows[:, start:stop].view(n, *shape)
+        if grad is None:
+            piece.zero_()
+        else:
+            piece.copy_(_pieces(grad, n, dim))
+    flat = reduce_scatter_rows(rows, group)
+    return [
+        flat[start:stop].view(shape) for shape, (start, stop) in zip(shapes, spans, strict=True)
+    ]
+
+
+class _GatherGroup(torch.autograd.Function):
+    """``gather_group`` forward, ``reduce_scatter_group`` backward."""
+
+    @staticmethod
+    def forward(ctx: Any, dims: tuple[int, ...], group: Group, *shards: torch.Tensor) -> Any:
+        ctx.dims, ctx.group = dims, group
+        ctx.shapes = [tuple(shard.shape) for shard in shards]
+        ctx.like = shards[0].new_empty(0)  # dtype and device of the gradients' buffer
+        ctx.set_materialize_grads(False)  # an unused weight's gradient: no zeros made
+        return tuple(gather_group(shards, dims, group))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        pieces = reduce_scatter_group(grads, ctx.shapes, ctx.dims, ctx.group, ctx.like)
+        return (None, None, *pieces)
+
+
+class GroupRegather:
+    """One forward's group of parameters, gathered again in backward once for all of the
+    group's saved weights (the ``Source`` of their recipes, ``runtime.regather``).
+
+    Every saved weight of the group is claimed when packed; the first unpack gathers the
+    group, the last one drops it. So the group's whole weights live in backward while the
+    layer's backward runs, as FSDP's do (and, without this, each saved weight would cost
+    a collective of its own).
+    """
+
+    def __init__(self, shards: Sequence[torch.Tensor], dims: Sequence[int], group: Group):
+        self._shards = tuple(shards)
+        self._dims = tuple(dims)
+        self._group = group
+        self._pending = 0
+        self._wholes: list[torch.Tensor] | None = None
+
+    def member(self, index: int) -> _Member:
+        return _Member(self, index)
+
+    def claim(self) -> None:
+        self._pending += 1
+
+    def fetch(self, index: int) -> torch.Tensor:
+        wholes = self._wholes
+        if wholes is None:
+            with torch.no_grad():
+                wholes = gather_group(self._shards, self._dims, self._group)
+        self._pending -= 1
+        # kept only while claimed weights remain (a second backward gathers each anew)
+        self._wholes = wholes if self._pending > 0 else None
+        return wholes[index]
+
+
+class _Member:
+    """Parameter ``index`` of a ``GroupRegather``: a ``regather.Source``."""
+
+    def __init__(self, regather: GroupRegather, index: int) -> None:
+        self._regather = regather
+        self._index = index
+
+    def claim(self) -> None:
+        self._regather.claim()
+
+    def fetch(self) -> torch.Tensor:
+        return self._regather.fetch(self._index)
+
+
+class GatherParams(Collective):
+    """All-gathers of several parameters over one mesh axis, as one collective.
+
+    ``forward(*shards)`` returns each shard gathered along its dim in ``dims``."""
+
+    # set by the runtime when gathered weights are regathered in backward: runtime.regather
+    gathers: Any = None
+
+    def __init__(self, group: Group, axis_name: str, dims: tuple[int, ...]) -> None:
+        super().__init__(group, axis_name)
+        self.dims = dims
+
+    def forward(self, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if len({shard.dtype for shard in shards}) > 1:
+            raise UsageError(
+                "parameters gathered together (one FSDP group) have different dtypes "
+                f"({sorted({str(s.dtype) for s in shards})}); cast the compiled model as a "
+                "whole (compiled.to(dtype)), not parameter by parameter"
+            )
+        wholes = _GatherGroup.apply(self.dims, self.group, *shards)
+        if self.gathers is not None:
+            regather = GroupRegather(shards, self.dims, self.group)
+            self.gathers.record_sources(wholes, [regather.member(i) for i in range(len(shards))])
+        return wholes
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, params={len(self.dims)}"
+
+
+def group_param_gathers(program: fx.GraphModule, layer_of: Mapping[str, int | None]) -> int:
+    """Replace ``program``'s all-gathers of parameters by one ``GatherParams`` per group;
+    returns how many groups were made.
+
+    ``layer_of`` maps the ``get_attr`` target of each parameter that may be grouped to its
+    layer in the layer container (None: outside the layers). Gathers inside submodules
+    (recompute regions) are left alone: they run again in backward with their region.
+    """
+    groups = _param_gather_groups(program, layer_of)
+    for key, members in groups.items():
+        _gather_as_group(program, members, _group_name(program, members[0], key))
+    if groups:
+        program.graph.lint()
+        program.recompile()
+    return len(groups)
+
+
+GroupKey = tuple[str, str, str]  # (all-gather module, dtype, "layer3" or "outside1")
+
+
+def _param_gather_groups(
+    program: fx.GraphModule, layer_of: Mapping[str, int | None]
+) -> dict[GroupKey, list[fx.Node]]:
+    """The all-gathers of parameters in graph order, grouped; parameters outside the layers
+    are grouped per run between layers (the embedding apart from the head)."""
+    groups: dict[GroupKey, list[fx.Node]] = {}
+    layers_seen: set[int] = set()
+    for node in program.graph.nodes:
+        if not _gathers_param(program, node, layer_of):
+            continue
+        target = node.args[0].target
+        layer = layer_of[target]
+        if layer is None:
+            place = f"outside{len(layers_seen)}"
+        else:
+            place = f"layer{layer}"
+            layers_seen.add(layer)
+        dtype = str(program.get_parameter(target).dtype)
+        groups.setdefault((str(node.target), dtype, place), []).append(node)
+    return groups
+
+
+def _gathers_param(
+    program: fx.GraphModule, node: fx.Node, layer_of: Mapping[str, int | None]
+) -> bool:
+    """Whether ``node`` is ``all_gather(parameter, dim)`` over one mesh axis."""
+    if node.op != "call_module" or node.kwargs or len(node.args) != 2:
+        return False
+    source, dim = node.args
+    return (
+        isinstance(program.get_submodule(str(node.target)), AllGather)
+        and isinstance(source, fx.Node)
+        and source.op == "get_attr"
+        and source.target in layer_of
+        and isinstance(dim, int)
+    )
+
+
+def _group_name(program: fx.GraphModule, first: fx.Node, key: GroupKey) -> str:
+    """``all_gather_dp_params_layer0``; unique in the (shared) module tree."""
+    base = f"{first.target}_params_{key[2]}"
+    name, suffix = base, 1
+    while hasattr(program, name):
+        name, suffix = f"{base}_{suffix}", suffix + 1
+    return name
+
+
+def _gather_as_group(program: fx.GraphModule, members: list[fx.Node], name: str) -> None:
+    """One ``GatherParams`` call before the first member; each member becomes its output."""
+    graph = program.graph
+    single = program.get_submodule(str(members[0].target))
+    assert isinstance(single, AllGather)
+    sources = [member.args[0] for member in members]
+    dims = tuple(_dim(program, member) for member in members)
+    program.add_submodule(name, GatherParams(single.group, single.axis_name, dims))
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    with graph.inserting_before(members[0]):
+        grouped = graph.call_module(name, tuple(sources))
+    for source in sources:
+        assert isinstance(source, fx.Node)
+        if order[source] > order[members[0]]:  # read later: move the read up (no inputs)
+            grouped.prepend(source)
+    for index, member in enumerate(members):
+        with graph.inserting_before(member):
+            item = graph.call_function(operator.getitem, (grouped, index))
+        item.meta = dict(member.meta)
+        member.replace_all_uses_with(item)
+        graph.erase_node(member)
+
+
+def _dim(program: fx.GraphModule, member: fx.Node) -> int:
+    """The member's gather dim, counted from the front."""
+    source, dim = member.args
+    assert isinstance(source, fx.Node) and isinstance(dim, int)
+    return dim % program.get_parameter(str(source.target)).dim()
