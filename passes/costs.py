@@ -117,14 +117,21 @@ class CostModel:
         )
         return fwd, bwd
 
-    def saved_bytes(self, note: NodeAnnotation, strategy: Strategy, nbytes: float) -> float:
-        """``nbytes`` of what ``note``'s op keeps, per device under ``strategy`` (split as its
-        output is; see ``activation_bytes``)."""
-        if not nbytes or not strategy.outputs:
+    def saved_bytes(self, note: NodeAnnotation, strategy: Strategy, output: bool = True) -> float:
+        """Bytes per device that ``note``'s op keeps for backward under ``strategy``: its
+        output when ``output`` (split as the output is) and what the op keeps internally
+        (a norm's statistics, a loss's log-probabilities), split as the op's work is: a
+        loss's output is one replicated scalar, but its log-softmax is as large as its
+        logits, and shrinks as they are split."""
+        if not strategy.outputs:
             return 0.0
-        factor = strategy.outputs[0].shard_factor(self.mesh_shape)
         dtype = note.outputs[0].dtype if note.outputs else "float32"
-        return self.batch_scale * self._bytes(dtype, nbytes) / factor
+        internal = note.internal_saved_bytes
+        kept = self._bytes(dtype, internal) / max(strategy.split, 1)
+        if output and note.saved_bytes > internal:
+            factor = strategy.outputs[0].shard_factor(self.mesh_shape)
+            kept += self._bytes(dtype, note.saved_bytes - internal) / factor
+        return self.batch_scale * kept
 
     def tensor_bytes(self, info: TensorInfo, layout: Layout) -> float:
         """Bytes per device of a tensor in ``layout`` (activations in the compute dtype)."""
@@ -136,22 +143,30 @@ class CostModel:
 
     def activation_bytes(self, note: NodeAnnotation, strategy: Strategy) -> float:
         """Saved-for-backward bytes per device of an op under ``strategy``."""
-        if note.saved_bytes == 0 or not strategy.outputs:
-            return 0.0
-        factor = strategy.outputs[0].shard_factor(self.mesh_shape)
-        dtype = note.outputs[0].dtype if note.outputs else "float32"
-        return self.batch_scale * self._bytes(dtype, note.saved_bytes) / factor
+        return self.saved_bytes(note, strategy) if note.saved_bytes else 0.0
 
     def edge_time(
-        self, info: TensorInfo, src: Layout, dst: Layout, requires_grad: bool
+        self,
+        info: TensorInfo,
+        src: Layout,
+        dst: Layout,
+        requires_grad: bool,
+        regathered: bool = False,
     ) -> tuple[float, float]:
-        """(forward, backward) seconds to bring a tensor from ``src`` to ``dst`` (cached)."""
+        """(forward, backward) seconds to bring a tensor from ``src`` to ``dst`` (cached).
+
+        ``regathered``: a parameter gathered for an op that keeps it for backward; the
+        runtime drops the gathered copy after the forward and gathers it again in the
+        backward (``autopar.runtime.regather``, as FSDP does), so the backward pays the
+        forward's collectives once more."""
         if src == dst:
             return 0.0, 0.0
         key = (info, src, dst, requires_grad)
         known = self._edge_cache.get(key)
         if known is None:
             known = self._edge_cache[key] = self._edge_time(info, src, dst, requires_grad)
+        if regathered:
+            return known[0], known[1] + known[0]
         return known
 
     def wire_itemsize(self, info: TensorInfo) -> int:

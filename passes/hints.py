@@ -496,7 +496,9 @@ def _ban_rule(
     )
     if kind == "data_parallel":
         return not tokens_split
-    weight_split = any(isinstance(strategy.inputs[i][axis], Shard) for i in op.weights)
+    # a partial weight (a shard padded with zeros) is a split weight too: each device
+    # multiplies by its slice, and the outputs are summed
+    weight_split = any(isinstance(strategy.inputs[i][axis], Shard | Partial) for i in op.weights)
     return not (weight_split and not tokens_split)  # tensor_parallel
 
 

@@ -81,7 +81,8 @@ class RecomputeTerm:
     not which: ``n = sum_b 2^b r[b]`` in binary digits ``r[b]`` (7 binaries for 96 layers,
     where a binary per copy made the MIP take minutes). The memory it frees is
     ``n S(s)`` and the forward it adds ``n F(s)``, with ``S`` and ``F`` linear in the
-    choices (``saving``, ``forward``: decision -> per-choice coefficients); per digit,
+    choices (``saving``, ``forward``: decision -> per-choice coefficients; ``edge_saving``:
+    the resharded copies its consumers keep, linear in the edges' pair variables); per digit,
     ``y[b] = S(s) r[b]`` and ``w[b] = F(s) r[b]`` are linearised as::
 
         0 <= y[b] <= S(s) + L (1 - r[b]),  y[b] <= S_max r[b]
@@ -100,6 +101,8 @@ class RecomputeTerm:
     forward: dict[str, list[float]]
     saving_bound: float
     forward_bound: float
+    # index in ``IlpProblem.edges`` -> (p, q) -> bytes per device per copy
+    edge_saving: dict[int, Matrix] = field(default_factory=dict)
     weight: float = 1.0  # microbatches per step: the forward runs again for each
     forced: bool | None = None  # True: recompute every copy; False: none
 
@@ -209,11 +212,15 @@ def solve_ilp(
     n_edge = 0
     overlapped_edges: list[object] = []
     edge_memory: list[object] = []
+    pairs: list[dict[tuple[int, int], object]] = []  # per edge: (p, q) -> its product
     for edge in problem.edges:
         terms = overlapped_edges if edge.overlappable else objective
-        n_edge += _add_edge(
-            model, edge, select[edge.left], select[edge.right], terms, edge_memory, n_edge
+        pairs.append(
+            _add_edge(
+                model, edge, select[edge.left], select[edge.right], terms, edge_memory, len(pairs)
+            )
         )
+        n_edge += sum(isinstance(v, pulp.LpVariable) for v in pairs[-1].values())
     exposed = model.add_variable("exposed_comm", lowBound=0)
     overlap_terms = [
         coefficient * value
@@ -232,7 +239,7 @@ def solve_ilp(
         model += exposed >= overlapped / k
     objective.append(exposed)
 
-    saved_terms, recompute_vars = _add_recompute(model, problem, select, objective)
+    saved_terms, recompute_vars = _add_recompute(model, problem, select, pairs, objective)
 
     if problem.memory_limit is not None:
         scale = 2.0**30  # GiB keeps the coefficients of one magnitude with the times
@@ -289,6 +296,7 @@ def _add_recompute(
     model: pulp.LpProblem,
     problem: IlpProblem,
     select: dict[str, list[pulp.LpVariable | float]],
+    pairs: list[dict[tuple[int, int], object]],
     objective: list[object],
 ) -> tuple[list[object], dict[str, list[tuple[int, pulp.LpVariable]]]]:
     """Recompute variables (see ``RecomputeTerm``); returns the memory they free and, per
@@ -307,6 +315,11 @@ def _add_recompute(
             for d, row in term.saving.items()
             for c, v in zip(row, select[d], strict=True)
             if c
+        ) + pulp.lpSum(
+            c / GIB * pairs[e][pq]
+            for e, matrix in term.edge_saving.items()
+            for pq, c in matrix.items()
+            if c
         )
         forward = pulp.lpSum(
             c * v
@@ -317,7 +330,10 @@ def _add_recompute(
         # a region's net saving can be negative for some choices (the inputs only its
         # checkpoint keeps outweigh what it frees): y <= S(s) must then bind only where it
         # is recomputed, or it would forbid those choices outright
-        slack = -sum(min(0.0, *row) for row in term.saving.values()) / GIB
+        slack = (
+            -sum(min(0.0, *row) for row in term.saving.values())
+            - sum(min(0.0, *matrix.values()) for matrix in term.edge_saving.values())
+        ) / GIB
         digits[term.name] = []
         for bit in range(term.copies.bit_length()):
             weight = 1 << bit
@@ -348,12 +364,13 @@ def _add_edge(
     right: list[pulp.LpVariable | float],
     terms: list[object],
     memory: list[object],
-    offset: int,
-) -> int:
+    index: int,
+) -> dict[tuple[int, int], object]:
     """Add one edge's class variables and marginal constraints, its cost terms to ``terms``
-    and its memory terms to ``memory``; returns the variables added."""
+    and its memory terms to ``memory``; returns each class pair's product (a variable, or
+    an expression when one side is fixed)."""
     if not any(edge.cost.values()) and not any(edge.memory.values()):
-        return 0
+        return {}
     left_sum: dict[int, list[pulp.LpVariable | float]] = {}
     right_sum: dict[int, list[pulp.LpVariable | float]] = {}
     for k, p in enumerate(edge.left_class):
@@ -362,7 +379,6 @@ def _add_edge(
         right_sum.setdefault(q, []).append(right[m])
     constant_left = all(isinstance(v, float) for v in left)
     constant_right = all(isinstance(v, float) for v in right)
-    added = 0
     pairs: dict[tuple[int, int], object] = {}
     if constant_left or constant_right:
         # one side is fixed: the pair is linear in the other side's choice
@@ -379,8 +395,7 @@ def _add_edge(
     else:
         for p in left_sum:
             for q in right_sum:
-                pairs[(p, q)] = model.add_variable(f"e_{offset + added}", lowBound=0)
-                added += 1
+                pairs[(p, q)] = model.add_variable(f"e_{index}_{p}_{q}", lowBound=0)
         for p, members in left_sum.items():
             model += pulp.lpSum(pairs[(p, q)] for q in right_sum) == pulp.lpSum(members)
         for q, members in right_sum.items():
@@ -391,7 +406,7 @@ def _add_edge(
     for pq, extra in edge.memory.items():
         if extra:
             memory.append(extra * pairs[pq])
-    return added
+    return pairs
 
 
 def _run(model: pulp.LpProblem, time_limit: float, backend: str) -> tuple[str, str]:

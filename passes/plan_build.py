@@ -15,6 +15,7 @@ from cost_model.step import exposed_gradient_sync, mfu
 from passes.annotation import META_KEY
 from passes.costs import dual, zero_layout_of
 from passes.experts import expert_matmul
+from passes.problem import is_regathered
 from passes.recompute import chosen_layers
 from passes.solve import Solved
 from passes.strategies.graph import NodeChoices
@@ -106,8 +107,8 @@ def _recompute_regions(
             continue
         nodes = tuple(n for layer in chosen for n in region.copies[layer])
         modules = tuple(sorted({module_of[n] for n in nodes}))
-        saving = sum(region.saving[d][solved.choice[d]] for d in region.saving)
-        forward = sum(region.forward[d][solved.choice[d]] for d in region.forward)
+        saving = region.saving_at(solved.choice)
+        forward = region.forward_at(solved.choice)
         found.append(
             RecomputeRegion(
                 name=region.name,
@@ -376,6 +377,9 @@ def _edge_traffic(
                 backward = mesh_cost.reshard(dual(dst), dual(src), info.shape, itemsize)
                 total += backward.sent
                 steps += backward.steps
+            if is_regathered(solved.decisions, source.producer, node.name, i):
+                total += forward.sent  # gathered again for the backward
+                steps += forward.steps
             for step in steps:
                 if step.sent:
                     by_kind[step.kind] += step.sent

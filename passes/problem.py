@@ -16,10 +16,31 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+from passes.annotation import TensorInfo
 from passes.costs import CostModel
 from passes.decisions import Decisions
 from passes.ilp import EdgeTerm, IlpProblem, Matrix
 from plans.placement import Layout
+
+
+@dataclass(frozen=True)
+class KeptCopy:
+    """A resharded copy of an activation that its consumer's backward keeps instead of the
+    tensor: ``bytes`` per class pair (consumer's copy less the producer's tensor), for one
+    layer copy. ``edge`` is its index in ``IlpProblem.edges``, or None when producer and
+    consumer are one decision (then the pair is ``(left_class[k], right_class[k])``)."""
+
+    edge: int | None
+    left: str
+    right: str
+    left_class: tuple[int, ...]
+    right_class: tuple[int, ...]
+    bytes: Matrix
+
+    def at(self, choice: dict[str, int]) -> float:
+        """Bytes per device under ``choice``."""
+        pair = (self.left_class[choice[self.left]], self.right_class[choice[self.right]])
+        return self.bytes.get(pair, 0.0)
 
 
 @dataclass
@@ -36,6 +57,9 @@ class ProblemParts:
     edge_terms: list[tuple[EdgeTerm, Matrix, Matrix]] = field(default_factory=list)
     self_edge: dict[str, list[float]] = field(default_factory=dict)
     self_memory: dict[str, list[float]] = field(default_factory=dict)
+    # (producer, output, consumer, input) of representatives -> the resharded copy that
+    # consumer keeps for backward, per layer copy (what recomputing the consumer frees)
+    kept_copies: dict[tuple[str, int, str, int], KeptCopy] = field(default_factory=dict)
 
     def edge_memory(self, choice: dict[str, int]) -> float:
         """Bytes per device of the resharded copies the chosen strategies keep."""
@@ -172,6 +196,7 @@ def _edge_costs(
             counted[key] += 1
             example.setdefault(key, (source.producer, source.index, node_name, i))
     keeper = _first_keepers(decisions, example)
+    sole = sole_keepers(decisions)
     for key, times in counted.items():
         producer, index, consumer, i = example[key]
         left = decisions.bindings[producer].decision
@@ -193,18 +218,26 @@ def _edge_costs(
         bwd_m: Matrix = {}
         memory_m: Matrix = {}
         keeps = keeper.get((producer, index)) == (consumer, i)
+        regathered = is_regathered(decisions, producer, consumer, i)
         for p, src in enumerate(left_classes):
             for q, dst in enumerate(right_classes):
-                fwd, bwd = cost.edge_time(info, src, dst, note.requires_grad)
+                fwd, bwd = cost.edge_time(info, src, dst, note.requires_grad, regathered)
                 if fwd or bwd:
                     fwd_m[(p, q)] = times * fwd
                     bwd_m[(p, q)] = times * bwd
                 if keeps and fwd:
-                    # a collective made a new tensor, which backward keeps instead of the
-                    # tensor itself (counted with its producer, in the producer's layout)
-                    memory_m[(p, q)] = times * (
-                        cost.tensor_bytes(info, dst) - cost.tensor_bytes(info, src)
+                    memory_m[(p, q)] = times * copy_bytes(
+                        cost, info, src, dst, sole.get(producer) == consumer
                     )
+        if memory_m:
+            parts.kept_copies[key] = KeptCopy(
+                None if left == right else len(parts.edge_terms),
+                left,
+                right,
+                left_class,
+                right_class,
+                {pq: value / times for pq, value in memory_m.items()},
+            )
         if left == right:
             for k, (p, q) in enumerate(zip(left_class, right_class, strict=True)):
                 parts.self_edge[left][k] += fwd_m.get((p, q), 0.0) + bwd_m.get((p, q), 0.0)
@@ -226,6 +259,66 @@ def _edge_costs(
                 bwd_m,
             )
         )
+
+
+def is_regathered(decisions: Decisions, producer: str, consumer: str, index: int) -> bool:
+    """Whether a parameter gathered for ``consumer``'s input ``index`` is gathered again in
+    the backward: the op keeps it, and the runtime keeps no gathered weight
+    (``autopar.runtime.regather``)."""
+    note = decisions.choices[consumer].note
+    return (
+        decisions.choices[producer].kind == "param"
+        and note is not None
+        and index in note.saved_inputs
+    )
+
+
+def copy_bytes(cost: CostModel, info: TensorInfo, src: Layout, dst: Layout, sole: bool) -> float:
+    """Bytes per device a consumer's backward adds by keeping a resharded copy (``dst``) of
+    a tensor (in ``src``): the copy, less the tensor when this consumer was its ``sole``
+    keeper (then the tensor, counted with its producer, is kept by nobody). Where others
+    keep the tensor too, or keep it through a view, it stays: nothing comes off, which may
+    count it twice but never frees memory that is still held."""
+    copy = cost.tensor_bytes(info, dst)
+    return copy - cost.tensor_bytes(info, src) if sole else copy
+
+
+def sole_keepers(decisions: Decisions) -> dict[str, str]:
+    """Producer -> the one consumer whose backward keeps its output, where exactly one
+    does, directly (not through a view), and the producer's own activation counts that
+    output (it owns its storage, has one output, and is no follower)."""
+    keepers: dict[str, set[str]] = {}
+    through_view: set[str] = set()
+    for consumer, choices in decisions.choices.items():
+        note = choices.note
+        if note is None or not note.saved_inputs:
+            continue
+        for i in note.saved_inputs:
+            if i >= len(choices.inputs):
+                continue
+            producer = choices.inputs[i].producer
+            source = decisions.choices[producer].note
+            if source is None:
+                continue
+            owner = source.alias_of or producer
+            keepers.setdefault(owner, set()).add(consumer)
+            if owner != producer:
+                through_view.add(owner)
+    sole = {}
+    for producer, kept_by in keepers.items():
+        binding = decisions.bindings.get(producer)
+        note = decisions.choices[producer].note if producer in decisions.choices else None
+        if (
+            len(kept_by) == 1
+            and producer not in through_view
+            and binding is not None
+            and binding.source is None
+            and note is not None
+            and len(note.outputs) == 1
+            and note.saved_bytes > note.internal_saved_bytes
+        ):
+            sole[producer] = next(iter(kept_by))
+    return sole
 
 
 def _first_keepers(

@@ -38,7 +38,8 @@ import torch
 from passes.annotation import META_KEY
 from passes.costs import CostModel
 from passes.decisions import Decisions
-from passes.ilp import RecomputeBudget, RecomputeTerm
+from passes.ilp import Matrix, RecomputeBudget, RecomputeTerm
+from passes.problem import KeptCopy
 from plans.errors import HintError
 
 # element-wise ops that make wide activations cheaply
@@ -77,15 +78,31 @@ class Region:
     copies: dict[int, tuple[str, ...]]  # layer index -> the same nodes in that layer
     saving: dict[str, list[float]] = field(default_factory=dict)  # decision -> per choice
     forward: dict[str, list[float]] = field(default_factory=dict)
+    # resharded copies its consumers keep between two decisions (``problem.KeptCopy``)
+    kept: list[KeptCopy] = field(default_factory=list)
     saving_bound: float = 0.0
     forward_bound: float = 0.0
     forced: bool | None = None  # a hint's: True recompute every copy, False none
 
+    def saving_at(self, choice: dict[str, int]) -> float:
+        """Bytes per device one recomputed copy frees under ``choice``."""
+        nodes = sum(row[choice[d]] for d, row in self.saving.items())
+        return nodes + sum(copy.at(choice) for copy in self.kept)
+
+    def forward_at(self, choice: dict[str, int]) -> float:
+        """Forward seconds one recomputed copy adds under ``choice``."""
+        return sum(row[choice[d]] for d, row in self.forward.items())
+
 
 def find_regions(
-    graph: torch.fx.Graph, decisions: Decisions, cost: CostModel, representatives: dict[str, str]
+    graph: torch.fx.Graph,
+    decisions: Decisions,
+    cost: CostModel,
+    representatives: dict[str, str],
+    kept_copies: dict[tuple[str, int, str, int], KeptCopy],
 ) -> list[Region]:
-    """The recompute candidates of every repeated layer class, with their coefficients."""
+    """The recompute candidates of every repeated layer class, with their coefficients.
+    ``kept_copies``: the resharded copies consumers keep (``ProblemParts.kept_copies``)."""
     layer_nodes: dict[int, list[torch.fx.Node]] = defaultdict(list)
     for node in graph.nodes:
         note = node.meta[META_KEY]
@@ -116,6 +133,7 @@ def find_regions(
                 others = layer_nodes[layer]
                 region.copies[layer] = tuple(others[by_position[n.name]].name for n in members)
             _coefficients(region, members, decisions, cost, savers)
+            _kept_copies(region, members, decisions, representatives, kept_copies)
             if region.saving_bound > 0:
                 regions.append(region)
     return regions
@@ -220,19 +238,55 @@ def _coefficients(
         note = node.meta[META_KEY]
         keepers = savers.get(node.name, set())
         owns_freed = note.alias_of is None and bool(keepers) and keepers <= inside
-        freed = note.internal_saved_bytes + (
-            note.saved_bytes - note.internal_saved_bytes if owns_freed else 0
-        )
         count = len(decisions.decisions[binding.decision].strategies)
         saving = region.saving.setdefault(binding.decision, [0.0] * count)
         forward = region.forward.setdefault(binding.decision, [0.0] * count)
         for k in range(count):
             strategy = decisions.strategy(node.name, k)
-            saving[k] += cost.saved_bytes(note, strategy, freed)
+            saving[k] += cost.saved_bytes(note, strategy, output=owns_freed)
             forward[k] += cost.op_time(note, strategy)[0]
     _kept_boundary(region, members, decisions, cost, savers)
-    region.saving_bound = sum(max(v) for v in region.saving.values())
     region.forward_bound = sum(max(v) for v in region.forward.values())
+
+
+def _kept_copies(
+    region: Region,
+    members: list[torch.fx.Node],
+    decisions: Decisions,
+    representatives: dict[str, str],
+    kept_copies: dict[tuple[str, int, str, int], KeptCopy],
+) -> None:
+    """Add the resharded copies the region's ops keep, then bound the saving.
+
+    Where a consumer's input is resharded, backward keeps the consumer's copy instead of
+    the tensor (``problem._edge_costs`` counts the difference on the edge). A checkpoint
+    keeps neither: the copy is made again when the region is replayed, so recomputing frees
+    that difference as well. Counting only the tensor would free its bytes twice when the
+    copy is smaller (a replicated output split for a matmul that keeps it), and let the
+    solver buy memory that does not exist."""
+    for node in members:
+        binding = decisions.bindings.get(node.name)
+        if binding is None or binding.source is not None or binding.mapping is not None:
+            continue  # followers take their producer's layout: nothing is resharded
+        for i, source in enumerate(decisions.choices[node.name].inputs):
+            key = (
+                representatives.get(source.producer, source.producer),
+                source.index,
+                representatives.get(node.name, node.name),
+                i,
+            )
+            copy = kept_copies.get(key)
+            if copy is None:
+                continue
+            if copy.edge is not None:
+                region.kept.append(copy)
+                continue
+            row = region.saving.setdefault(copy.left, [0.0] * len(copy.left_class))
+            for k, pair in enumerate(zip(copy.left_class, copy.right_class, strict=True)):
+                row[k] += copy.bytes.get(pair, 0.0)
+    region.saving_bound = sum(max(v) for v in region.saving.values()) + sum(
+        max(0.0, *copy.bytes.values()) for copy in region.kept
+    )
 
 
 def _leaves_unkept(members: list[torch.fx.Node], savers: dict[str, set[str]]) -> bool:
@@ -301,12 +355,24 @@ def recompute_terms(regions: list[Region], microbatches: int) -> list[RecomputeT
             saving=r.saving,
             forward=r.forward,
             saving_bound=r.saving_bound,
+            edge_saving=_edge_saving(r.kept),
             forward_bound=r.forward_bound,
             weight=float(microbatches),
             forced=r.forced,
         )
         for r in regions
     ]
+
+
+def _edge_saving(kept: list[KeptCopy]) -> dict[int, Matrix]:
+    """The copies' bytes by edge (two copies on one edge: two inputs of one op)."""
+    by_edge: dict[int, Matrix] = {}
+    for copy in kept:
+        assert copy.edge is not None
+        matrix = by_edge.setdefault(copy.edge, {})
+        for pair, value in copy.bytes.items():
+            matrix[pair] = matrix.get(pair, 0.0) + value
+    return by_edge
 
 
 def recompute_budgets(regions: list[Region]) -> list[RecomputeBudget]:

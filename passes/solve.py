@@ -105,8 +105,7 @@ class Solved:
         for region in self.regions:
             copies = self.recompute.get(region.name, 0)
             if copies:
-                per_copy = sum(region.saving[d][self.choice[d]] for d in region.saving)
-                saved += copies * per_copy
+                saved += copies * region.saving_at(self.choice)
         return saved
 
     def recompute_seconds(self) -> float:
@@ -115,7 +114,7 @@ class Solved:
         for region in self.regions:
             copies = self.recompute.get(region.name, 0)
             if copies:
-                total += copies * sum(region.forward[d][self.choice[d]] for d in region.forward)
+                total += copies * region.forward_at(self.choice)
         return total
 
     def strategy(self, node: str) -> Strategy:
@@ -217,7 +216,7 @@ def _solve(
             decisions, cost, representatives, limit, allowed, request.microbatches
         )
         regions = (
-            find_regions(traced.graph, decisions, cost, representatives)
+            find_regions(traced.graph, decisions, cost, representatives, parts.kept_copies)
             if limit is not None or request.recompute_hints
             else []
         )
@@ -277,10 +276,24 @@ def _solve(
     # under the limit: every ZeRO stage with the recompute candidates as variables, so the
     # MIP trades recomputation against sharding and ZeRO (``ilp.RecomputeTerm``)
     built = [build(zero, request.memory_limit) for zero in levels]
-    found = _solve_levels(built, run)
+    # a stage whose model states alone exceed the limit needs no MIP to rule out (which,
+    # with recomputation's weak relaxation, may take the whole time limit to prove it)
+    fitting = [b for b in built if states_floor(b.parts) <= request.memory_limit]
+    found = _solve_levels(fitting, run) if fitting else None
     if found is None:
         raise infeasible_error(built[-1].parts, request)
     return found
+
+
+def states_floor(parts: ProblemParts) -> float:
+    """The least memory per device for parameters, gradients and optimizer state that any
+    allowed choice needs: every plan needs at least this much (its activations, less
+    what recomputation frees, are never negative)."""
+    total = 0.0
+    for name, row in parts.model_states.items():
+        states = [sum(row[k]) for k in parts.problem.allowed.get(name, range(len(row)))]
+        total += min(states, default=0.0)  # none allowed: the MIP reports that
+    return total
 
 
 @dataclass

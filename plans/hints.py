@@ -56,7 +56,8 @@ from plans.units import parse_bytes
 BanKind = Literal["tensor_parallel", "fsdp", "sequence_parallel", "data_parallel"]
 
 BAN_KINDS: dict[str, str] = {
-    "tensor_parallel": "no matmul or embedding takes a weight split over the axis while its "
+    "tensor_parallel": "no matmul or embedding takes a weight split (or a partial sum of it) "
+    "over the axis while its "
     "activation is not split on a token dim there (Megatron's column/row splits, vocab splits)",
     "fsdp": "no parameter is stored split over the axis (FSDP/ZeRO-3); an op may still "
     "compute on a slice of the whole copy",

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from passes.annotation import META_KEY
+from passes.problem import copy_bytes, is_regathered, sole_keepers
 from passes.recompute import chosen_layers
 from passes.solve import Solved
 from passes.trace import TracedModel
@@ -89,6 +90,7 @@ def layer_costs(traced: TracedModel, solved: Solved) -> LayerCosts:
             part.sync_s += param.sync_s
     decisions = solved.decisions
     kept: set[tuple[str, int]] = set()  # activations whose resharded copy is counted
+    sole = sole_keepers(decisions)
     for node in traced.graph.nodes:
         if node.name not in decisions.bindings or node.op not in ("call_function", "output"):
             continue
@@ -117,6 +119,7 @@ def layer_costs(traced: TracedModel, solved: Solved) -> LayerCosts:
                 src,
                 strategy.inputs[i],
                 producer.note.requires_grad,
+                is_regathered(decisions, source.producer, node.name, i),
             )
             if producer.kind == "param":
                 part.gather_s += f + b
@@ -127,8 +130,8 @@ def layer_costs(traced: TracedModel, solved: Solved) -> LayerCosts:
                 # per tensor: the lowering makes one reshard per tensor and layout)
                 kept.add((source.producer, source.index))
                 info = producer.note.outputs[source.index]
-                part.activations += cost.tensor_bytes(info, strategy.inputs[i]) - cost.tensor_bytes(
-                    info, src
+                part.activations += copy_bytes(
+                    cost, info, src, strategy.inputs[i], sole.get(source.producer) == node.name
                 )
     for layer, (saving, forward) in recomputed_layers(solved).items():
         parts[layer].activations -= saving
@@ -153,8 +156,8 @@ def recomputed_layers(solved: Solved) -> dict[int, tuple[float, float]]:
         chosen = layers_of.get(region.name, ())
         if not chosen:
             continue
-        saving = sum(region.saving[d][solved.choice[d]] for d in region.saving) / scale
-        forward = sum(region.forward[d][solved.choice[d]] for d in region.forward)
+        saving = region.saving_at(solved.choice) / scale
+        forward = region.forward_at(solved.choice)
         for layer in chosen:
             old = found.get(layer, (0.0, 0.0))
             found[layer] = (old[0] + saving, old[1] + forward)

@@ -23,7 +23,7 @@ import autopar
 import passes.solve as solve_module
 from autopar.force import style_constraints
 from examples.models import build
-from passes.ilp import GIB, IlpProblem, RecomputeBudget, RecomputeTerm, solve_ilp
+from passes.ilp import GIB, EdgeTerm, IlpProblem, RecomputeBudget, RecomputeTerm, solve_ilp
 from passes.recompute import Region, chosen_layers, recompute_budgets
 from passes.solve import SolveRequest, solve_sharding
 from passes.trace import trace
@@ -290,6 +290,43 @@ def test_a_region_that_would_cost_memory_only_goes_unrecomputed():
     assert (solution.choice, solution.recompute) == ({"a": 0}, {"r": 0})
     assert solution.report.objective == pytest.approx(1.0, abs=1e-6)
     assert solve_ilp(replace(problem, allowed={"a": {0}})).feasible
+
+
+def kept_copy_problem(limit_gib: float) -> IlpProblem:
+    """A producer ``a`` whose output (4 GiB, replicated) a consumer ``b`` keeps for
+    backward. Under ``b``'s fast choice 0 the consumer keeps a split copy instead (1 GiB:
+    the edge's memory is -3 GiB); under choice 1 it keeps the tensor itself. The states
+    take 10 GiB. Recomputing the layer frees what it keeps in either case: the 4 GiB
+    tensor less the copy's difference, i.e. the 1 GiB copy, under choice 0."""
+    return IlpProblem(
+        choices={"a": 1, "b": 2},
+        cost={"a": [1.0], "b": [1.0, 2.0]},
+        memory={"a": [14 * GIB], "b": [0.0, 0.0]},
+        memory_limit=limit_gib * GIB,
+        edges=[EdgeTerm("a", "b", (0,), (0, 1), {}, memory={(0, 0): -3 * GIB})],
+        recompute=[
+            RecomputeTerm(
+                "layer",
+                "full",
+                1,
+                {"a": [4 * GIB]},
+                {"a": [0.1]},
+                4 * GIB,
+                0.1,
+                edge_saving={0: {(0, 0): -3 * GIB}},
+            )
+        ],
+    )
+
+
+def test_recomputing_a_kept_resharded_copy_frees_the_copy_not_the_tensor_again():
+    """11 GiB under choice 0 (10 after recomputing), 14 under choice 1 (10 after): a limit
+    of 9 GiB fits nothing. Counting the tensor's 4 GiB freed on top of the copy's -3 GiB
+    would make choice 0 fit at 7 GiB: memory that does not exist."""
+    assert not solve_ilp(kept_copy_problem(9.0)).feasible
+    fits = solve_ilp(kept_copy_problem(10.0))
+    assert (fits.choice, fits.recompute) == ({"a": 0, "b": 0}, {"layer": 1})
+    assert solve_ilp(kept_copy_problem(11.0)).recompute == {"layer": 0}
 
 
 # ---- end to end: recomputation decided jointly with the ZeRO stage ----

@@ -34,6 +34,28 @@ def test_pure_data_parallel_plan_costs_exactly_its_gradient_all_reduces():
     assert plan.estimate.collectives == {"all_gather": 1}  # the output, made whole
 
 
+def test_fsdp_gathers_each_kept_weight_again_for_the_backward():
+    """Forced FSDP on 4 devices: each weight is all-gathered for the forward; the runtime
+    keeps no gathered weight (``runtime.regather``), so one that backward needs is gathered
+    again. The second layer's is (its input needs a gradient); the first layer's is not
+    (its input is the model's, which needs none, so its backward keeps no weight)."""
+    model, inputs = big_mlp()
+    mesh = autopar.Mesh((4,), ("dp",), device="h100-sxm")
+    plan = autopar.plan(model, mesh, inputs, force="fsdp")
+    first, second = plan.params["layers.0.weight"], plan.params["layers.1.weight"]
+    assert first.param == second.param == autopar.Layout(Shard(0))
+
+    def gather(shape: tuple[int, ...]) -> float:  # fp32 bytes a device sends on a ring of 4
+        return 4 * _numel(shape) * 3 / 4
+
+    weights = gather(first.shape) + 2 * gather(second.shape)
+    biases = gather(plan.params["layers.0.bias"].shape) + gather(plan.params["layers.1.bias"].shape)
+    output = gather((8, 1024))  # the batch-split output, made whole for the caller
+    assert plan.estimate.comm_bytes_by_kind["all_gather"] == pytest.approx(
+        weights + biases + output
+    )
+
+
 def test_two_layer_mlp_gets_megatron_column_then_row_with_one_all_reduce():
     model, inputs = big_mlp()
     mesh = autopar.Mesh((4,), ("tp",), device="h100-sxm")

@@ -1,0 +1,73 @@
+"""Per-device bytes an op keeps for backward, under a strategy.
+
+An op keeps its output split as the output is, and what it keeps internally (a norm's
+statistics, a loss's log-probabilities) split as its work is: a loss returns one
+replicated scalar, but keeps log-probabilities as large as its logits, which shrink as the
+batch is split.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cost_model import load_preset
+from cost_model.collectives import MeshCost
+from passes.annotation import META_KEY
+from passes.costs import CostModel
+from passes.strategies.graph import graph_choices
+from passes.trace import trace
+from plans import MeshSpec
+from plans.placement import Shard
+
+DEVICES = 4
+BATCH, SEQ, VOCAB = 8, 16, 1000
+
+
+class Logits(torch.nn.Module):
+    """A vocabulary projection and its cross-entropy: the loss keeps log-softmax of the
+    logits (BATCH x SEQ x VOCAB floats), while its output is one scalar."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(32, VOCAB)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+
+
+@pytest.fixture(scope="module")
+def loss_node():
+    inputs = (torch.randn(BATCH, SEQ, 32), torch.randint(0, VOCAB, (BATCH, SEQ)))
+    traced = trace(Logits(), inputs)
+    (node,) = [n for n in traced.graph.nodes if "cross_entropy" in str(n.target)]
+    choices, _ = graph_choices(traced.graph, (DEVICES,))
+    return node.meta[META_KEY], choices[node.name].strategies
+
+
+def cost_model() -> CostModel:
+    mesh = MeshSpec((DEVICES,), ("dp",), device="h100-sxm")
+    return CostModel(MeshCost(mesh, load_preset("h100-sxm")), precision="fp32")
+
+
+def test_a_loss_keeps_log_probabilities_as_large_as_its_logits(loss_node):
+    note, _ = loss_node
+    assert note.outputs[0].shape == ()
+    assert note.internal_saved_bytes >= BATCH * SEQ * VOCAB * 4
+
+
+def test_a_batch_split_loss_keeps_its_share_of_the_log_probabilities(loss_node):
+    note, strategies = loss_node
+    split = [s for s in strategies if s.inputs[0][0] == Shard(0)]
+    whole = [s for s in strategies if s.split == 1]
+    assert split and whole
+    cost = cost_model()
+    for strategy in whole:
+        assert cost.activation_bytes(note, strategy) == pytest.approx(note.saved_bytes)
+    for strategy in split:
+        assert strategy.split == DEVICES
+        # the scalar output is whole on every device; the log-probabilities are a quarter
+        assert cost.activation_bytes(note, strategy) == pytest.approx(
+            note.internal_saved_bytes / DEVICES
+        )
