@@ -67,7 +67,8 @@ def frontier(quick: bool = False) -> dict[str, Any]:
     """Run ``benchmarks/recompute_frontier.py`` and keep its table (and plot)."""
     if quick:
         return {"skipped": "not run with --quick"}
-    command = [sys.executable, "benchmarks/recompute_frontier.py", "--out", str(FRONTIER_PNG)]
+    # as a module from the root, so it imports this checkout whether or not it is installed
+    command = [sys.executable, "-m", "benchmarks.recompute_frontier", "--out", str(FRONTIER_PNG)]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
     record = {
