@@ -12,6 +12,11 @@ AllReduce           P -> R               all-reduce of the gradient
 AllToAll(src, dst)  Shard(src) -> (dst)  all-to-all back
 ==================  ===================  ==============================
 
+At the module's outputs every device receives the same gradient (``passes.lower_spmd``, the
+output boundary), so an all-reduce there may skip its adjoint (``AllReduce(adjoint=False)``:
+the gradient passes through, and the n equal summands the adjoint would add are counted
+in the boundary's scale instead; ``runtime.output_boundary``).
+
 gloo has no reduce-scatter, and its all-to-all wants lists; on gloo both are built from
 the collectives it has (all-reduce then a local slice; all-gather then a local slice). They
 move more bytes but give the same values, which is what CPU tests need.
@@ -134,6 +139,16 @@ class _AllReduce(torch.autograd.Function):
         return all_reduce(grad, ctx.group), None
 
 
+class _AllReduceNoAdjoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, src: int, dst: int, group: Group) -> torch.Tensor:
@@ -174,7 +189,12 @@ class ReduceScatter(Collective):
 
 
 class AllReduce(Collective):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, adjoint: bool = True) -> torch.Tensor:
+        """Sum ``x`` over the group. ``adjoint=False`` (only where every device's gradient
+        is the same, see the module docstring): backward passes the gradient through
+        instead of all-reducing it."""
+        if not adjoint:
+            return _AllReduceNoAdjoint.apply(x, self.group)
         return _AllReduce.apply(x, self.group)
 
 

@@ -57,6 +57,7 @@ from autopar.runtime.collectives import MODULES
 from autopar.runtime.grad_sync import GradientSync
 from autopar.runtime.groups import axis_groups
 from autopar.runtime.memory_savers import install as install_memory_savers
+from autopar.runtime.output_boundary import skip_output_adjoints
 from autopar.runtime.pipeline import (
     Loss,
     PipelineRunner,
@@ -170,6 +171,8 @@ class CompiledModel(nn.Module):
             device,
             sharded_outputs=outputs == "sharded",
         )
+        # every rank receives the same gradient at the outputs: no all-reduce of it there
+        skip_output_adjoints(whole, self.mesh.shape)
         self._stage_programs: list[StageProgram] = []
         if self.pipelined:
             programs = split_stages(traced, whole, plan)
