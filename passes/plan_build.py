@@ -107,7 +107,9 @@ def _recompute_regions(
             continue
         nodes = tuple(n for layer in chosen for n in region.copies[layer])
         modules = tuple(sorted({module_of[n] for n in nodes}))
-        saving = region.saving_at(solved.choice)
+        # per traced microbatch, as the other figures (the solve may have weighted its
+        # activations: a smaller microbatch, or a pipeline stage's in-flight ones)
+        saving = region.saving_at(solved.choice) / (solved.cost.batch_scale or 1.0)
         forward = region.forward_at(solved.choice)
         found.append(
             RecomputeRegion(

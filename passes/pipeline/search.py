@@ -125,12 +125,9 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
             continue
         assert limit is not None
         sizes = _microbatch_sizes(request, _stage_mesh(mesh, p))
-        # a plan for the smallest microbatch with the whole model within p devices'
-        # limits (a stage holds 1/p of the layers), with ZeRO and recomputation as they
-        # need; then, if the stages' in-flight activations still overflow, within one
-        # device's (what 1F1B's first stage holds: p microbatches of 1/p of the layers)
-        for memory in [limit * p, limit] if p > 1 else [limit]:
-            solved = search.solve(p, memory, sizes)
+        m = request.global_batch // min(sizes)
+        for memory, in_flight in _stage_budgets(p, limit, m, search.layers):
+            solved = search.solve(p, memory, sizes, in_flight)
             if solved is None or search.cost(p, solved, sizes):
                 break
     if not search.candidates:
@@ -143,6 +140,28 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
         key=lambda c: (float(f"{c.step_time_s:.9g}"), c.microbatches, c.memory),
     )
     return _to_plan(traced, request, candidates[0], candidates[1:6])
+
+
+def _stage_budgets(p: int, limit: float, microbatches: int, layers: int) -> list[tuple[float, int]]:
+    """The memory rows the intra-op plan of ``p`` stages is solved under, in turn, until
+    one gives a stage cut that fits: (limit of the row, weight of one microbatch's
+    activations in it).
+
+    The heaviest stage holds ``c = ceil(L / p)`` of the ``L`` layers, and under 1F1B the
+    first stage holds ``k = min(p, m)`` microbatches in flight (Narayanan et al. 2021). With
+    the whole model's states ``S`` and one microbatch's activations ``A``, spread evenly
+    over the layers::
+
+        (S + k A) c / L <= limit    <=>    S + k A <= limit L / c
+
+    which is the first row. The end stages also hold the embedding and the head, so if
+    no cut fits, the second row leaves them a quarter of the budget."""
+    if p == 1:
+        return [(limit, 1)]
+    per_stage = -(-max(layers, 1) // p)
+    budget = limit * max(layers, 1) / per_stage
+    in_flight = min(p, microbatches)
+    return [(budget, in_flight), (0.75 * budget, in_flight)]
 
 
 def _lower_bound(solved: Solved, mesh: MeshSpec, p: int, time_limit: float) -> float:
@@ -175,16 +194,19 @@ class _Search:
         self.smallest: tuple[float, str] | None = None
         self.errors: list[InfeasiblePlanError] = []
 
-    def solve(self, p: int, memory: float | None, sizes: list[int]) -> Solved | None:
+    def solve(
+        self, p: int, memory: float | None, sizes: list[int], in_flight: int = 1
+    ) -> Solved | None:
         """The intra-op plan on one stage's mesh: the fastest (``memory`` None), else the
-        fastest within ``memory`` for the smallest microbatch."""
+        fastest within ``memory`` for ``in_flight`` of the smallest microbatch's
+        activations (``_stage_budgets``)."""
         request = self.request
         solve = replace(
             request.solve,
             mesh=_stage_mesh(request.solve.mesh, p),
             memory_limit=memory,
             microbatches=max(request.global_batch // request.traced_batch, 1),
-            batch_scale=min(sizes) / request.traced_batch,
+            batch_scale=in_flight * min(sizes) / request.traced_batch,
             known_unfit=memory is not None,
         )
         try:

@@ -156,3 +156,18 @@ def test_nothing_fitting_is_told_at_the_users_limit_on_the_whole_mesh():
     model, inputs = build("gpt-tiny", device="meta")
     with pytest.raises(InfeasiblePlanError, match=r"1\.0 KiB per device on x=2 x y=2"):
         autopar.plan(model, autopar.Mesh((2, 2), device="h100-sxm"), inputs, memory_limit="1KiB")
+
+
+def test_a_stage_count_is_first_solved_for_its_heaviest_stage_under_1f1b():
+    """80 layers on 32 stages: the heaviest stage holds 3 layers and, under 1F1B, 32
+    microbatches in flight, so the whole model's states plus 32 microbatches' activations
+    must fit 80/3 devices' memory; then a quarter less, for the embedding and the head."""
+    from passes.pipeline.search import _stage_budgets
+
+    limit = 80.0
+    assert _stage_budgets(32, limit, microbatches=64, layers=80) == [
+        (limit * 80 / 3, 32),
+        (0.75 * limit * 80 / 3, 32),
+    ]
+    assert _stage_budgets(4, limit, microbatches=2, layers=32)[0] == (limit * 4, 2)
+    assert _stage_budgets(1, limit, microbatches=64, layers=80) == [(limit, 1)]
