@@ -77,12 +77,36 @@ def command(argv: list[str]) -> str:
 
 
 def load(results: Path) -> dict[str, Any]:
+    """The sections' records; a quality run stopped before its last case counts with the
+    cases it finished (its record says ``partial``)."""
     records = {}
     for name in ALL:
         path = results / f"{name}.json"
         if path.exists():
             records[name] = json.loads(path.read_text())
+    partial = results / "quality.partial.json"
+    if "quality" not in records and partial.exists():
+        record = json.loads(partial.read_text())
+        if "section" in record:  # older partial files hold the cases only
+            records["quality"] = record
     return records
+
+
+def make_record(
+    name: str, argv: list[str], info: dict[str, Any], load_average: Any, data: Any, wall: float
+) -> dict[str, Any]:
+    """What a section's run leaves in ``benchmarks/results``: its data, and how, when and
+    where it was measured."""
+    return {
+        "section": name,
+        "command": command(argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": info,
+        "load_average": load_average,
+        "wall_s": data.get("seconds", wall) if isinstance(data, dict) else wall,
+        "quick": "--quick" in argv,
+        "data": data,
+    }
 
 
 def save(results: Path, name: str, record: dict[str, Any]) -> None:
@@ -118,7 +142,12 @@ def measure(name: str, args: argparse.Namespace, stash: dict[str, Any]) -> Any:
             quick=args.quick,
             full=args.full,
             done=done,
-            save=lambda partial: save(args.results, "quality.partial", {"data": partial}),
+            save=lambda partial: save(
+                args.results,
+                "quality.partial",
+                make_record(*stash["_meta"], partial, partial.get("seconds", 0.0))
+                | {"partial": True},
+            ),
         )
         (args.results / "quality.partial.json").unlink(missing_ok=True)  # complete now
         return data
@@ -147,20 +176,12 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         load_average = os.getloadavg()
         print(f"[{name}] ...", flush=True)
+        stash["_meta"] = (name, argv, info, load_average)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             data = measure(name, args, stash)
         wall = time.perf_counter() - start
-        records[name] = {
-            "section": name,
-            "command": command(argv),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": info,
-            "load_average": load_average,
-            "wall_s": data.get("seconds", wall) if isinstance(data, dict) else wall,
-            "quick": args.quick,
-            "data": data,
-        }
+        records[name] = make_record(name, argv, info, load_average, data, wall)
         save(args.results, name, records[name])
         print(f"[{name}] done in {wall:.0f} s", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

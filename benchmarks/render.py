@@ -295,10 +295,20 @@ def quality(record: dict[str, Any] | None) -> str:
         )
         + ": a bug in the search (reported; the losses are listed below the tables)."
     )
+    stopped = (
+        [
+            f"**Partial record**: the run was stopped after {len(cases)} of its cases (the "
+            "ones below); `python -m benchmarks --only quality --resume` finishes it.",
+            "",
+        ]
+        if record.get("partial")
+        else []
+    )
     lines += [
         f"Target: autopar's estimated step time at most the best baseline's (ratio <= "
         f"{TARGETS['quality']:.1f} against every baseline). {summary}",
         "",
+        *stopped,
         _provenance(record),
         "",
         _body(module.__doc__),

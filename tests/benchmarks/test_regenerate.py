@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 from benchmarks import render
 from benchmarks.__main__ import main
@@ -66,3 +67,26 @@ def test_a_plan_slower_than_a_baseline_is_flagged_not_hidden():
     assert "autopar/this 1.250 **LOSS**" in text and "autopar/this 1.000)" in text
     assert "Planned again with example inputs of 4 sequences" in text
     assert "ratio 0.875." in text
+
+
+def test_a_stopped_quality_run_renders_the_cases_it_finished_marked_partial(tmp_path):
+    entry = {
+        "status": "ok", "step_s": 1.0, "mfu": 0.5, "plan_s": 1.0, "dp": 8, "tp": 1, "pp": 1,
+        "sp": 1, "zero": 0, "schedule": "none", "chunks": 1, "microbatches": 1,
+        "microbatch": 8, "recompute": [],
+    }  # fmt: skip
+    case = {
+        "model": "m", "devices": 8, "mesh": "1x8", "global_batch": 8, "autopar": entry,
+        "ddp": copy.deepcopy(entry), "fsdp": copy.deepcopy(entry),
+        "megatron": {"status": "does not fit"}, "megatron_grid": [],
+    }  # fmt: skip
+    results = tmp_path / "results"
+    results.mkdir()
+    record = _record({"cases": [case], "seconds": 1.0}) | {"section": "quality", "partial": True}
+    (results / "quality.partial.json").write_text(json.dumps(record))
+    out = tmp_path / "BENCHMARKS.md"
+    main(["--render", "--out", str(out), "--results", str(results)])
+    text = out.read_text()
+    section = text[text.index("## Plan quality") : text.index("## Recompute frontier")]
+    assert "**Partial record**: the run was stopped after 1 of its cases" in section
+    assert "| m | 1x8 | 8 |" in section
