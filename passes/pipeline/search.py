@@ -222,6 +222,9 @@ class _Search:
         request = self.request
         costs = layer_costs(self.traced, solved)
         stage_mesh = _stage_mesh(request.solve.mesh, p)
+        # stages hand off along the whole mesh's outer axis (a stage's own outer axis may
+        # be a single device, which sends nothing)
+        links = MeshCost(request.solve.mesh, solved.cost.mesh_cost.preset)
         limit = request.solve.memory_limit
         fitted = 0
         for b in sizes:
@@ -232,7 +235,7 @@ class _Search:
                     costs,
                     solved,
                     stage_mesh,
-                    solved.cost.mesh_cost,
+                    links,
                     p,
                     schedule,
                     chunks,
@@ -413,7 +416,7 @@ def _evaluate(
     elif request.cuts is not None:
         cut = evaluate_cut(costs, request.cuts, m, schedule, scale, p2p)
     else:
-        cut = cut_stages(costs, p, m, schedule, scale, limit, p2p, request.solve.time_limit)
+        cut = cut_stages(costs, p, m, schedule, scale, limit, p2p)
         if cut is None:
             # what it would need is asked only when nothing fits (_nothing_fits)
             return (float("inf"), f"{p} stages, {schedule}") if limit is not None else None
@@ -457,7 +460,8 @@ def _shared_states(costs: LayerCosts) -> float:
 
 def _p2p_times(costs: LayerCosts, mesh_cost: MeshCost, p: int, scale: float) -> list[float]:
     """Point-to-point seconds per microbatch of each stage (send forward, receive the
-    gradient back), on the outer axis's link, for the widest boundary of the model."""
+    gradient back), on the whole mesh's outer axis (``mesh_cost``), for the widest
+    boundary of the model."""
     widest = max([part.boundary_bytes for part in (costs.pre, *costs.layers)] or [0.0])
     one_way = mesh_cost.p2p(widest * scale, 0) if widest else 0.0
     return [(0 if s == 0 else 2) * one_way + (0 if s == p - 1 else 2) * one_way for s in range(p)]
