@@ -65,7 +65,7 @@ class PipelineRequest:
     microbatches: int | None = None
     chunks: int | None = None
     # the layer where each stage begins (hints' ``pipeline.cuts``): fixes the stage count and
-    # the cut, so the stage-cut ILP is skipped; not with the interleaved schedule
+    # the cut, so the stage cut is not searched; not with the interleaved schedule
     cuts: tuple[int, ...] | None = None
 
 
