@@ -49,20 +49,19 @@ def test_the_bubble_of_the_estimate_is_the_published_fraction(schedule, chunks):
     )
 
 
+def two_stages_1f1b(model, inputs, global_batch: int):
+    """A plan on two H100s as two 1F1B stages; the search picks the microbatches."""
+    mesh = autopar.Mesh((2,), device="h100-sxm")
+    return autopar.plan(model, mesh, inputs, global_batch=global_batch, stages=2, schedule="1f1b")
+
+
 def test_more_microbatches_are_chosen_when_they_lower_the_step_time():
     """Layers wide enough that compute, not the hand-off's latency, sets the time: halving
     the microbatch halves the bubble, until the per-microbatch hand-offs cost more."""
     model, inputs = mlp(
         d_in=2048, d_hidden=8192, d_out=2048, n_layers=4, batch_size=64, device="meta"
     )
-    plan = autopar.plan(
-        model,
-        autopar.Mesh((2,), device="h100-sxm"),
-        inputs,
-        global_batch=1024,
-        stages=2,
-        schedule="1f1b",
-    )
+    plan = two_stages_1f1b(model, inputs, global_batch=1024)
     fewest = [a for a in plan.alternatives if a.parallelism.microbatches == 16]
     assert plan.parallelism.microbatches > 16  # 16 is the fewest: the example's batch of 64
     assert fewest and fewest[0].step_time_s > plan.estimate.step_time_s
@@ -74,14 +73,7 @@ def test_a_tiny_model_keeps_few_microbatches_where_hand_offs_cost_more_than_the_
     """The stages hand off over the whole mesh's outer axis even when a stage's own mesh
     has one device: a latency per microbatch that a tiny model's compute cannot repay."""
     model, inputs = four_layers()
-    plan = autopar.plan(
-        model,
-        autopar.Mesh((2,), device="h100-sxm"),
-        inputs,
-        global_batch=256,
-        stages=2,
-        schedule="1f1b",
-    )
+    plan = two_stages_1f1b(model, inputs, global_batch=256)
     assert plan.parallelism.microbatches == 4  # the fewest: the example's batch of 64
     assert all(a.step_time_s > plan.estimate.step_time_s for a in plan.alternatives)
 

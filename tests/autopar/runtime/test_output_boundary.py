@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -25,8 +22,7 @@ from autopar.testing.ranks import run_ranks
 from examples.models import build
 from passes.local_ops import scale_grad
 from passes.lower_spmd import LoweredGraph
-
-COUNTED = ("all_gather", "all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor")
+from tests.autopar.runtime.collective_counts import counting
 
 
 class _WithLoss(nn.Module):
@@ -97,27 +93,6 @@ def test_an_all_reduce_read_inside_the_graph_keeps_its_adjoint() -> None:
     assert scale_grad in _calls(lowered.graph)
 
 
-@contextmanager
-def _counting(counts: Counter[str]) -> Iterator[None]:
-    """Count the ``torch.distributed`` collectives called inside (by their name)."""
-    originals = {name: getattr(dist, name) for name in COUNTED}
-
-    def counted(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return call(*args, **kwargs)
-
-        return wrapper
-
-    for name, call in originals.items():
-        setattr(dist, name, counted(name, call))
-    try:
-        yield
-    finally:
-        for name, call in originals.items():
-            setattr(dist, name, call)
-
-
 def _dp_step(rank: int, world: int) -> dict[str, Any]:
     """One data-parallel step with the loss inside: collectives per phase, loss, gradients."""
     torch.manual_seed(0)
@@ -132,9 +107,9 @@ def _dp_step(rank: int, world: int) -> dict[str, Any]:
     compiled = autopar.compile(_WithLoss(model), mesh, example_inputs=(tokens, targets), force="dp")
     forward: Counter[str] = Counter()
     backward: Counter[str] = Counter()
-    with _counting(forward):
+    with counting(forward):
         loss = compiled(tokens, targets)
-    with _counting(backward):
+    with counting(backward):
         loss.backward()
     return {
         "forward": dict(forward),

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -23,32 +21,11 @@ from autopar.runtime.collectives import all_gather, reduce_scatter
 from autopar.runtime.param_groups import GatherParams, gather_group, reduce_scatter_group
 from autopar.testing.ranks import run_ranks
 from examples.models import build
+from tests.autopar.runtime.collective_counts import counting
 
 pytestmark = pytest.mark.multirank
 
 N_LAYER = 3
-COUNTED = ("all_gather", "all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor")
-
-
-@contextmanager
-def _counting(counts: Counter[str]) -> Iterator[None]:
-    """Count the ``torch.distributed`` collectives called inside (by their name)."""
-    originals = {name: getattr(dist, name) for name in COUNTED}
-
-    def counted(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return call(*args, **kwargs)
-
-        return wrapper
-
-    for name, call in originals.items():
-        setattr(dist, name, counted(name, call))
-    try:
-        yield
-    finally:
-        for name, call in originals.items():
-            setattr(dist, name, call)
 
 
 def _train_step(rank: int, world: int) -> dict[str, Any]:
@@ -65,10 +42,10 @@ def _train_step(rank: int, world: int) -> dict[str, Any]:
     (count / tokens.numel()).backward()
     forward: Counter[str] = Counter()
     backward: Counter[str] = Counter()
-    with _counting(forward):
+    with counting(forward):
         logits = compiled(local)
     loss = F.cross_entropy(logits.flatten(0, 1), local.flatten(), reduction="sum") / tokens.numel()
-    with _counting(backward):
+    with counting(backward):
         loss.backward()
     groups = [m for m in compiled.program.modules() if isinstance(m, GatherParams)]
     return {
