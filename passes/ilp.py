@@ -37,6 +37,9 @@ Constraints::
     s[d,k] = 0 for k not in allowed[d]               (forced strategies and hints)
     objective <= cutoff                              (optional: "beat this or say so",
         which the solver proves fast; ``passes.solve`` chains ZeRO stages with it)
+    objective - t <= work cutoff                     (optional: the same on compute and
+        resharding alone, which a pipeline of the plan's stages cannot hide; the
+        pipeline search's bound, ``passes.pipeline.search``)
 
 HiGHS (through PuLP's highspy interface) solves it; CBC is the fallback. The status, time,
 gap and problem size are returned, never hidden.
@@ -179,9 +182,11 @@ def solve_ilp(
     time_limit: float = 60.0,
     backend: str = "highs",
     cutoff: float | None = None,
+    work_cutoff: float | None = None,
 ) -> IlpSolution:
     """Build and solve the ILP; ``feasible`` is False when no choice fits (or, with
-    ``cutoff``, none is faster than it: the solver prunes by it and proves that quickly)."""
+    ``cutoff``, none is faster than it: the solver prunes by it and proves that quickly;
+    ``work_cutoff`` bounds the objective less the exposed communication ``t``)."""
     start = time.perf_counter()
     model = pulp.LpProblem("autopar", pulp.LpMinimize)
     select: dict[str, list[pulp.LpVariable | float]] = {}
@@ -258,6 +263,8 @@ def solve_ilp(
     model += pulp.lpSum(objective)
     if cutoff is not None:
         model += pulp.lpSum(objective) <= cutoff
+    if work_cutoff is not None:
+        model += pulp.lpSum(objective) - exposed <= work_cutoff
 
     _, used = _run(model, time_limit, backend)
     elapsed = time.perf_counter() - start

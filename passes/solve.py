@@ -71,6 +71,14 @@ class SolveRequest:
     recompute_hints: tuple[RecomputeHint, ...] = ()  # forced or forbidden (hints)
     # the caller found the fastest plan too large already: solve under the limit directly
     known_unfit: bool = False
+    # only plans whose compute and resharding (the objective less exposed communication)
+    # stay within this are wanted: the caller holds a plan that any other beats only so
+    # (the pipeline search's bound); none found raises ``NothingFaster``
+    work_cutoff: float | None = None
+
+
+class NothingFaster(Exception):
+    """No plan within ``SolveRequest.work_cutoff`` was found (or proved to exist in time)."""
 
 
 @dataclass
@@ -140,12 +148,13 @@ def solve_sharding(traced: TracedModel, request: SolveRequest) -> Solved:
     if len(groupings) == 1:
         return _solve(traced, request, groupings[0])
     best: Solved | None = None
-    failure: InfeasiblePlanError | None = None
+    failure: InfeasiblePlanError | NothingFaster | None = None
     for groups in groupings:
         try:
             solved = _solve(traced, request, groups)
-        except InfeasiblePlanError as error:
-            failure = error
+        except (InfeasiblePlanError, NothingFaster) as error:
+            # under a cutoff, "nothing faster" is the answer whatever the other groupings say
+            failure = failure if isinstance(failure, NothingFaster) else error
             continue
         if best is None or (solved.report.objective or 0.0) < (best.report.objective or 0.0):
             best = solved
@@ -232,8 +241,10 @@ def _solve(
         problem = built.parts.problem
         if fixed is not None:  # another ZeRO stage's choice, costed in this one
             problem = replace(problem, allowed={d: {k} for d, k in fixed.items()})
-        solution = solve_ilp(problem, request.time_limit, cutoff=cutoff)
-        if solution.timed_out and cutoff is not None:
+        solution = solve_ilp(
+            problem, request.time_limit, cutoff=cutoff, work_cutoff=request.work_cutoff
+        )
+        if solution.timed_out and (cutoff is not None or request.work_cutoff is not None):
             return None  # nothing better than the plan in hand found in time: keep that one
         if solution.timed_out:
             raise InfeasiblePlanError(
@@ -269,6 +280,8 @@ def _solve(
     levels = request.zero_levels
     if request.memory_limit is None or not request.known_unfit:
         fastest = run(build(levels[0], None))
+        if fastest is None and request.work_cutoff is not None:
+            raise NothingFaster
         if fastest is not None and (
             request.memory_limit is None or fastest.memory() <= request.memory_limit
         ):
@@ -280,6 +293,8 @@ def _solve(
     # with recomputation's weak relaxation, may take the whole time limit to prove it)
     fitting = [b for b in built if states_floor(b.parts) <= request.memory_limit]
     found = _solve_levels(fitting, run) if fitting else None
+    if found is None and request.work_cutoff is not None:
+        raise NothingFaster
     if found is None:
         raise infeasible_error(built[-1].parts, request)
     return found
@@ -324,7 +339,7 @@ def _solve_levels(built: list[Built], run: Callable[..., Solved | None]) -> Solv
             dominated.append(level)
             continue
         solved.append(level)
-        bound = None if best is None else _tie(best.report.objective or 0.0)
+        bound = None if best is None else tie(best.report.objective or 0.0)
         found = run(level, bound)
         if found is not None and (bound is None or (found.report.objective or 0.0) <= bound):
             best = found
@@ -332,13 +347,13 @@ def _solve_levels(built: list[Built], run: Callable[..., Solved | None]) -> Solv
         return None
     for level in sorted(dominated, key=lambda b: b.zero):
         if level.zero < best.zero:
-            tie = run(level, _tie(best.report.objective or 0.0), best.choice)
-            if tie is not None:
-                return replace(tie, report=best.report)  # the solve that chose it
+            tied = run(level, tie(best.report.objective or 0.0), best.choice)
+            if tied is not None:
+                return replace(tied, report=best.report)  # the solve that chose it
     return best
 
 
-def _tie(objective: float) -> float:
+def tie(objective: float) -> float:
     """An objective within the solver's tolerances of ``objective``: a tie."""
     return objective * (1 + 1e-7) + 1e-9
 

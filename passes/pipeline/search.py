@@ -34,7 +34,14 @@ from passes.ilp import solve_ilp
 from passes.pipeline.layer_costs import LayerCosts, Part, layer_costs
 from passes.pipeline.stage_cut import StageCut, cut_stages, evaluate_cut
 from passes.plan_build import build_plan
-from passes.solve import Solved, SolveRequest, group_axes, solve_sharding
+from passes.solve import (
+    NothingFaster,
+    Solved,
+    SolveRequest,
+    group_axes,
+    solve_sharding,
+    tie,
+)
 from passes.trace import TracedModel
 from plans.errors import InfeasiblePlanError, UsageError
 from plans.mesh import MeshSpec
@@ -104,8 +111,10 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
     aside, costed for every microbatch size and schedule (memory per stage is checked when
     cutting): where one fits, that stage count is done. Then the stage counts where none
     fit, the most promising first, each skipped when a lower bound on its step time
-    (``_lower_bound``) is above the best found: those need the memory-bounded solves, the
-    slow part of planning (ZeRO and recomputation in the ILP)."""
+    (``_least_work`` and ``_bubble_factor``) is above the best found: those need the
+    memory-bounded solves, the slow part of planning (ZeRO and recomputation in the ILP),
+    and these are told to look only for plans that could beat the best (a work cutoff,
+    which the solver proves hopeless in seconds where it took its minute to solve)."""
     _check(traced, request)
     mesh = request.solve.mesh
     layers = traced.layers.count if traced.layers else 0
@@ -118,7 +127,8 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
             continue
         solved = search.solve(p, None, sizes)
         if solved is not None and not search.cost(p, solved, sizes) and limit is not None:
-            pending.append((_lower_bound(solved, mesh, p, request.solve.time_limit), p))
+            work = _least_work(solved, mesh, p, request.solve.time_limit)
+            pending.append((work * _bubble_factor(p, sizes, layers, request) / p, p))
     for bound, p in sorted(pending):
         best = min((c.step_time_s for c in search.candidates), default=float("inf"))
         if bound > best:
@@ -126,8 +136,13 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
         assert limit is not None
         sizes = _microbatch_sizes(request, _stage_mesh(mesh, p))
         m = request.global_batch // min(sizes)
+        # a plan on a stage's mesh beats the best in hand only if its work, spread over
+        # the stages with the least bubble, does (``_least_work``)
+        cutoff = (
+            tie(best * p / _bubble_factor(p, sizes, layers, request)) if search.candidates else None
+        )
         for memory, in_flight in _stage_budgets(p, limit, m, search.layers):
-            solved = search.solve(p, memory, sizes, in_flight)
+            solved = search.solve(p, memory, sizes, in_flight, cutoff)
             if solved is None or search.cost(p, solved, sizes):
                 break
     if not search.candidates:
@@ -164,14 +179,11 @@ def _stage_budgets(p: int, limit: float, microbatches: int, layers: int) -> list
     return [(budget, in_flight), (0.75 * budget, in_flight)]
 
 
-def _lower_bound(solved: Solved, mesh: MeshSpec, p: int, time_limit: float) -> float:
-    """Step time no configuration with ``p`` stages beats: the least compute and
-    resharding of any plan on a stage's mesh, with no memory limit (so no ZeRO or
-    recomputation) and all overlappable communication hidden (``IlpProblem.hide_all``),
-    spread evenly over the stages with no bubble. A step of ``m`` microbatches takes at
-    least ``m`` times the slowest stage, at least their sum over ``p``; a smaller
-    microbatch costs proportionally (the search's scaling), so ``m`` times the whole is the
-    same at every size."""
+def _least_work(solved: Solved, mesh: MeshSpec, p: int, time_limit: float) -> float:
+    """The least compute and resharding per step of any plan on a stage's mesh: with no
+    memory limit (so no ZeRO or recomputation) and all overlappable communication hidden
+    (``IlpProblem.hide_all``). A smaller microbatch costs proportionally (the search's
+    scaling), so this is the same at every microbatch size."""
     if len(group_axes(_stage_mesh(mesh, p))) > 1:
         # solved on the best of several groupings of the axes: a bound from one grouping's
         # problem says nothing of the others' (a mesh of three axes or more)
@@ -180,7 +192,25 @@ def _lower_bound(solved: Solved, mesh: MeshSpec, p: int, time_limit: float) -> f
         solved.parts.problem, memory_limit=None, recompute=[], recompute_budgets=[], hide_all=True
     )
     relaxed = solve_ilp(problem, time_limit)
-    return (relaxed.report.objective or 0.0) / p if relaxed.feasible else 0.0
+    return (relaxed.report.objective or 0.0) if relaxed.feasible else 0.0
+
+
+def _bubble_factor(p: int, sizes: list[int], layers: int, request: PipelineRequest) -> float:
+    """The least ratio of a ``p``-stage pipeline's time to its work spread evenly.
+
+    With ``W`` the work of a step, ``m`` microbatches, ``v`` chunks per device and stage
+    times ``T_s`` (each at least the work of its layers: ``sum_s T_s >= W / m`` and
+    ``max_s T_s >= W / (m p)``), ``pipeline_time`` is::
+
+        (sum_s T_s + (m v - 1) max_s T_s) / v  >=  W / p * (1 + (p - 1) / (m v))
+
+    least at the most microbatches (the smallest size) and the most chunks any schedule
+    allowed here takes."""
+    if p == 1:
+        return 1.0
+    m = request.global_batch // min(sizes)
+    v = max(chunks for _, chunks in _schedules(p, layers, request))
+    return 1.0 + (p - 1) / (m * v)
 
 
 class _Search:
@@ -195,11 +225,17 @@ class _Search:
         self.errors: list[InfeasiblePlanError] = []
 
     def solve(
-        self, p: int, memory: float | None, sizes: list[int], in_flight: int = 1
+        self,
+        p: int,
+        memory: float | None,
+        sizes: list[int],
+        in_flight: int = 1,
+        work_cutoff: float | None = None,
     ) -> Solved | None:
         """The intra-op plan on one stage's mesh: the fastest (``memory`` None), else the
         fastest within ``memory`` for ``in_flight`` of the smallest microbatch's
-        activations (``_stage_budgets``)."""
+        activations (``_stage_budgets``); None when none fits or none does less work than
+        ``work_cutoff``."""
         request = self.request
         solve = replace(
             request.solve,
@@ -208,9 +244,12 @@ class _Search:
             microbatches=max(request.global_batch // request.traced_batch, 1),
             batch_scale=in_flight * min(sizes) / request.traced_batch,
             known_unfit=memory is not None,
+            work_cutoff=work_cutoff,
         )
         try:
             return solve_sharding(self.traced, solve)
+        except NothingFaster:
+            return None
         except InfeasiblePlanError as error:
             # the whole mesh at the user's own limit (no pipeline) says it in their terms
             self.errors.insert(0 if p == 1 else len(self.errors), error)

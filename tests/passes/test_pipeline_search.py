@@ -153,10 +153,10 @@ def test_no_stage_count_is_pruned_by_one_grouping_of_a_three_axis_mesh():
     """The lower bound that lets the search skip a stage count is read off the fastest
     plan's ILP; on a mesh of three axes that plan is the best of several groupings of the
     axes, and one grouping's bound says nothing of the others': no bound (0) there."""
-    from passes.pipeline.search import _lower_bound
+    from passes.pipeline.search import _least_work
 
     mesh = autopar.Mesh((4, 4, 2), ("node", "gpu", "gpu_in"), device="h100-sxm")
-    assert _lower_bound(None, mesh, 2, 60.0) == 0.0  # type: ignore[arg-type]
+    assert _least_work(None, mesh, 2, 60.0) == 0.0  # type: ignore[arg-type]
 
 
 def test_nothing_fitting_is_told_at_the_users_limit_on_the_whole_mesh():
@@ -183,3 +183,53 @@ def test_a_stage_count_is_first_solved_for_its_heaviest_stage_under_1f1b():
     ]
     assert _stage_budgets(4, limit, microbatches=2, layers=32)[0] == (limit * 4, 2)
     assert _stage_budgets(1, limit, microbatches=64, layers=80) == [(limit, 1)]
+
+
+def test_the_bound_that_prunes_a_stage_count_is_below_every_configuration_it_stands_for():
+    """The least work of a stage's mesh, spread over ``p`` stages with the least bubble
+    (``(1 + (p - 1) / (m v)) W / p``), is at most the step time of every schedule,
+    microbatch size and cut the search costs for ``p`` stages: pruning by it never drops
+    a configuration that would have won."""
+    from passes.pipeline.search import (
+        PipelineRequest,
+        _bubble_factor,
+        _least_work,
+        _microbatch_sizes,
+        _Search,
+        _stage_mesh,
+    )
+    from passes.solve import SolveRequest
+
+    model, inputs = four_layers(batch=32)
+    traced = trace(model, inputs)
+    mesh = autopar.Mesh((4, 2), device="h100-sxm")
+    request = PipelineRequest(
+        SolveRequest(mesh, precision="bf16_mixed"), global_batch=256, traced_batch=32
+    )
+    search = _Search(traced, request)
+    for p in (2, 4):
+        sizes = _microbatch_sizes(request, _stage_mesh(mesh, p))
+        solved = search.solve(p, None, sizes)
+        assert solved is not None
+        search.cost(p, solved, sizes)
+        costed = [c for c in search.candidates if c.stages == p]
+        # interleaving needs two chunks of layers per stage: four layers on two stages only
+        interleaved = {"interleaved"} if p == 2 else set()
+        assert {c.schedule for c in costed} == {"gpipe", "1f1b", *interleaved}
+        bound = _least_work(solved, mesh, p, 60.0) * _bubble_factor(p, sizes, 4, request) / p
+        assert bound > 0
+        assert all(c.step_time_s >= bound * (1 - 1e-9) for c in costed)
+
+
+def test_the_bubble_factor_takes_the_most_microbatches_and_chunks_allowed():
+    """``1 + (p - 1) / (m v)``: 256 sequences in microbatches of at least 8 (m = 32); four
+    layers on two stages take two chunks each, on four stages one."""
+    from passes.pipeline.search import PipelineRequest, _bubble_factor
+    from passes.solve import SolveRequest
+
+    request = PipelineRequest(
+        SolveRequest(autopar.Mesh((4, 2), device="h100-sxm")), global_batch=256, traced_batch=32
+    )
+    assert _bubble_factor(1, [32, 16, 8], 4, request) == 1.0
+    assert _bubble_factor(2, [32, 16, 8], 4, request) == 1 + 1 / (32 * 2)
+    assert _bubble_factor(4, [32, 16, 8], 4, request) == 1 + 3 / 32

@@ -118,8 +118,8 @@ def test_a_solver_time_out_returns_the_best_plan_with_its_gap_and_a_warning(monk
     import passes.solve as solve_module
     from passes.ilp import solve_ilp
 
-    def stopped_early(problem, time_limit, backend="highs", cutoff=None):
-        solution = solve_ilp(problem, time_limit, backend, cutoff)
+    def stopped_early(problem, time_limit, backend="highs", cutoff=None, work_cutoff=None):
+        solution = solve_ilp(problem, time_limit, backend, cutoff, work_cutoff)
         report = solution.report.model_copy(
             update={"status": "feasible (time limit; best found)", "gap": 0.07}
         )
@@ -136,8 +136,8 @@ def test_no_plan_within_the_time_limit_says_to_allow_more_time(monkeypatch):
     import passes.solve as solve_module
     from passes.ilp import solve_ilp
 
-    def nothing_found(problem, time_limit, backend="highs", cutoff=None):
-        solution = solve_ilp(problem, time_limit, backend, cutoff)
+    def nothing_found(problem, time_limit, backend="highs", cutoff=None, work_cutoff=None):
+        solution = solve_ilp(problem, time_limit, backend, cutoff, work_cutoff)
         return type(solution)({}, solution.report, False, timed_out=True)
 
     monkeypatch.setattr(solve_module, "solve_ilp", nothing_found)

@@ -286,3 +286,31 @@ def test_planning_gives_the_fastest_stage_as_solving_each_on_its_own(request, ca
     assert solved.zero == expected
     assert solved.report.objective == pytest.approx(alone[expected], rel=1e-9)
     assert solved.memory() <= limit + 1e-6 * GIB  # HiGHS's tolerance on the GiB row
+
+
+def test_a_work_cutoff_bounds_compute_and_resharding_not_the_exposed_communication():
+    """The pipeline search's cutoff: with ``a``'s second choice adding 1 s of gradient sync
+    that nothing hides, (1, 1) costs 4.5 s of which 3.5 s is work, and (0, 0) 4.0 s, all
+    work. The optimum under 5 GiB is (0, 0); under a work cutoff of 3.6 s only (1, 1) is
+    left (slower in all, less work), and under 3.4 s nothing that fits."""
+    problem = replace(two_decisions(), overlappable={"a": [0.0, 1.0]})
+    assert solve_ilp(problem).choice == {"a": 0, "b": 0}
+    cut = solve_ilp(problem, work_cutoff=3.6)
+    assert cut.choice == {"a": 1, "b": 1}
+    assert cut.report.objective == pytest.approx(4.5, abs=GAP)
+    assert not solve_ilp(problem, work_cutoff=3.4).feasible
+
+
+def test_a_work_cutoff_nothing_meets_says_nothing_faster():
+    """``solve_sharding`` under a work cutoff below every plan's compute raises
+    ``NothingFaster`` (the caller keeps the plan it holds), not a memory error."""
+    from passes.solve import NothingFaster
+
+    model, inputs = build("mlp-tiny")
+    traced = trace(model, inputs)
+    mesh = autopar.Mesh((2,), device="cpu")
+    request = SolveRequest(mesh, work_cutoff=1e-12)
+    with pytest.raises(NothingFaster):
+        solve_sharding(traced, request)
+    # the same request with room finds the fastest plan
+    assert solve_sharding(traced, replace(request, work_cutoff=None)).report.objective > 1e-12
