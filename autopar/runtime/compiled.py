@@ -54,6 +54,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.runtime import checkpoint
 from autopar.runtime.collectives import MODULES
+from autopar.runtime.fused_projection import fuse_projections
 from autopar.runtime.grad_sync import GradientSync
 from autopar.runtime.groups import axis_groups
 from autopar.runtime.memory_savers import install as install_memory_savers
@@ -183,6 +184,8 @@ class CompiledModel(nn.Module):
             self._buffer_holders = _buffer_holders(programs, plan.parallelism.pp)
         else:
             lowered, graphs = whole, [whole.graph]
+        for graph in graphs:  # an exposed projection as one matmul with its bias, as eager
+            fuse_projections(graph)
         self.lowered: LoweredGraph = lowered
         self._out_spec = traced.exported.call_spec.out_spec
         # name -> (the user's shape, the planned shape), for parameters planned reshaped
