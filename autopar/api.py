@@ -101,6 +101,10 @@ def _plan(
         options.schedule,
         options.microbatches,
         options.chunks,
+        # microbatches below a stage's devices are planned on the model traced at that size
+        retrace=lambda size: trace(
+            model, microbatch_inputs(tuple(example_inputs), batch, size), example_kwargs
+        ),
     )
     return hinted.plan(traced, pipeline), traced
 

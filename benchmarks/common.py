@@ -163,10 +163,13 @@ def plan_traced(
     microbatches: int | None = None,
     name: str = "",
     time_limit: float = 60.0,
+    retrace: Callable[[int], TracedModel] | None = None,
 ) -> Plan:
     """``autopar.plan`` on an already traced model: the same requests, the same search
-    (``autopar.api._plan`` without its trace), so one trace serves many plans. When nothing
-    fits, the error is the search's own, not the hint that ``autopar.plan`` would blame."""
+    (``autopar.api._plan`` without its trace), so one trace serves many plans; ``retrace``
+    gives the model traced at a smaller batch, as ``autopar.plan`` traces it (None: the
+    search keeps to the sizes the given trace scales to). When nothing fits, the error is
+    the search's own, not the hint that ``autopar.plan`` would blame."""
     options = PlanOptions(
         global_batch=global_batch,
         memory_limit=MEMORY_LIMIT,
@@ -198,6 +201,7 @@ def plan_traced(
         None,
         microbatches,
         None,
+        retrace=retrace,
     )
     if hinted.resolved is None:
         return plan_pipeline(traced, pipeline)

@@ -28,7 +28,8 @@ What could not be expressed exactly, and how it is approximated:
   as a flat ring at the inter-node link (the cost model has no partly-intra-node axis),
   which overstates its data-parallel traffic a little;
 - autopar's own search only cuts pipeline stages over the mesh's outer axis (nodes); its
-  microbatches are the example batch halved while it divides by a stage's devices;
+  microbatches are the example batch halved while it divides by a stage's devices, and,
+  on the model traced again, from one sequence per node of a stage up to those;
 - where a forced split does not divide a model's dims (gpt2-124m's 12 heads over 8
   devices), the forced plan is the best the constraints allow, and its summary may read
   tp 1.
@@ -264,7 +265,9 @@ def run_case(model: str, devices: int) -> dict[str, Any]:
         "example_batch": example,
     }
     common = {"global_batch": batch, "traced_batch": example}
-    case["autopar"] = _try(lambda: plan_traced(traced, mesh, **common, name=model))
+    case["autopar"] = _try(
+        lambda: plan_traced(traced, mesh, **common, name=model, retrace=traces.get)
+    )
     case["ddp"] = _try(lambda: plan_traced(traced, mesh, **common, force="dp", zero=0))
     case["fsdp"] = _try(lambda: plan_traced(traced, mesh, **common, force="fsdp", zero=0))
     tp = min(devices, GPUS_PER_NODE)

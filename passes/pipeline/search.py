@@ -7,8 +7,12 @@ stages (``stage_cut``) under the memory limit. The fastest configuration that fi
 the plan keeps the runners-up with their estimates.
 
 Microbatches: the example inputs give the largest microbatch (the traced batch ``B``).
-Smaller microbatches ``b = B / k`` are costed by scaling what grows with the batch (compute,
-activations, resharding of activations) by ``b / B``; the runtime traces again at ``b``.
+Smaller microbatches ``b = B / k`` that a stage's devices still divide are costed by
+scaling what grows with the batch (compute, activations, resharding of activations) by
+``b / B``; the runtime traces again at ``b``. Below a stage's devices the plan at ``B``
+would not divide (its batch split no longer fits), so those sizes, from one sequence per
+node of a stage upward, are planned on the model traced again at the smallest of them
+(``PipelineRequest.retrace``; ``_small_sizes``) and scaled up from there.
 ``global_batch / b`` microbatches make a step. ``p = 1`` is plain gradient accumulation
 (schedule ``none``), so a pipeline is chosen only when it beats not having one.
 
@@ -24,6 +28,7 @@ bubble is ``(p - 1) / (v m)`` of the ideal time.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from cost_model.collectives import MeshCost
@@ -43,7 +48,7 @@ from passes.solve import (
     tie,
 )
 from passes.trace import TracedModel
-from plans.errors import InfeasiblePlanError, UsageError
+from plans.errors import AutoparError, InfeasiblePlanError, UsageError
 from plans.mesh import MeshSpec
 from plans.plan import (
     Alternative,
@@ -74,6 +79,20 @@ class PipelineRequest:
     # the layer where each stage begins (hints' ``pipeline.cuts``): fixes the stage count and
     # the cut, so the stage cut is not searched; not with the interleaved schedule
     cuts: tuple[int, ...] | None = None
+    # the model traced again at a smaller batch (the example inputs cut along their batch
+    # dim): microbatches smaller than a stage's devices (``_small_sizes``); None: only the
+    # sizes the example's trace scales to
+    retrace: Callable[[int], TracedModel] | None = None
+
+
+@dataclass(frozen=True)
+class Source:
+    """A trace of the model, the batch it was traced at, and the microbatch sizes the
+    search costs from it (largest first) by scaling what grows with the batch."""
+
+    traced: TracedModel
+    batch: int
+    sizes: tuple[int, ...]
 
 
 @dataclass
@@ -94,6 +113,7 @@ class Candidate:
     stage_mesh: MeshSpec
     bubble_s: float
     sync_s: float
+    source: Source
 
     def describe(self) -> Parallelism:
         return Parallelism(
@@ -109,41 +129,65 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
 
     Two passes over the stage counts. First the fastest intra-op plan of each, memory set
     aside, costed for every microbatch size and schedule (memory per stage is checked when
-    cutting): where one fits, that stage count is done. Then the stage counts where none
-    fit, the most promising first, each skipped when a lower bound on its step time
-    (``_least_work`` and ``_bubble_factor``) is above the best found: those need the
-    memory-bounded solves, the slow part of planning (ZeRO and recomputation in the ILP),
-    and these are told to look only for plans that could beat the best (a work cutoff,
-    which the solver proves hopeless in seconds where it took its minute to solve)."""
+    cutting): where one fits, that stage count is done. Then, the most promising first,
+    the stage counts where none fit and the microbatches below a stage's devices (traced
+    again: ``_small_sizes``), each skipped when a lower bound on its step time
+    (``_least_work`` and ``_bubble_factor``) is above the best found. The stage counts that
+    do not fit need the memory-bounded solves, the slow part of planning (ZeRO and
+    recomputation in the ILP); every solve of this pass looks only for plans that could
+    beat the best (a work cutoff, which the solver proves hopeless in seconds where it took
+    its minute to solve)."""
     _check(traced, request)
     mesh = request.solve.mesh
     layers = traced.layers.count if traced.layers else 0
     limit = request.solve.memory_limit
-    search = _Search(traced, request)
-    pending: list[tuple[float, int]] = []
+    search = _Search(request, layers)
+    pending: list[tuple[float, int, Source | tuple[int, ...]]] = []
     for p in _stage_counts(mesh, layers, request):
-        sizes = _microbatch_sizes(request, _stage_mesh(mesh, p))
+        stage_mesh = _stage_mesh(mesh, p)
+        sizes = _microbatch_sizes(request, stage_mesh)
         if not sizes:
             continue
-        solved = search.solve(p, None, sizes)
-        if solved is not None and not search.cost(p, solved, sizes) and limit is not None:
-            work = _least_work(solved, mesh, p, request.solve.time_limit)
-            pending.append((work * _bubble_factor(p, sizes, layers, request) / p, p))
-    for bound, p in sorted(pending):
+        source = Source(traced, request.traced_batch, tuple(sizes))
+        solved = search.solve(p, None, source)
+        if solved is None:
+            continue
+        fits = search.cost(p, solved, source) > 0
+        small = _small_sizes(request, stage_mesh, sizes)
+        if (fits and not small) or (not fits and limit is None):
+            continue
+        work = _least_work(solved, mesh, p, request.solve.time_limit)
+        if not fits:
+            pending.append((work * _bubble_factor(p, sizes, layers, request) / p, p, source))
+        if small:
+            # the least work per sequence is no less at a smaller microbatch (the roofline
+            # scales with the batch at best, and fewer layouts divide it)
+            pending.append((work * _bubble_factor(p, list(small), layers, request) / p, p, small))
+    for bound, p, entry in sorted(pending, key=lambda e: (e[0], e[1])):
         best = min((c.step_time_s for c in search.candidates), default=float("inf"))
         if bound > best:
             continue
-        assert limit is not None
-        sizes = _microbatch_sizes(request, _stage_mesh(mesh, p))
-        m = request.global_batch // min(sizes)
         # a plan on a stage's mesh beats the best in hand only if its work, spread over
         # the stages with the least bubble, does (``_least_work``)
+        sizes = list(entry.sizes if isinstance(entry, Source) else entry)
         cutoff = (
             tie(best * p / _bubble_factor(p, sizes, layers, request)) if search.candidates else None
         )
+        if isinstance(entry, Source):
+            source = entry
+        else:
+            retraced = search.retrace(sizes)
+            if retraced is None:
+                continue
+            source = retraced
+            solved = search.solve(p, None, source, work_cutoff=cutoff)
+            if solved is None or search.cost(p, solved, source) or limit is None:
+                continue
+        assert limit is not None
+        m = request.global_batch // min(sizes)
         for memory, in_flight in _stage_budgets(p, limit, m, search.layers):
-            solved = search.solve(p, memory, sizes, in_flight, cutoff)
-            if solved is None or search.cost(p, solved, sizes):
+            solved = search.solve(p, memory, source, in_flight, cutoff)
+            if solved is None or search.cost(p, solved, source):
                 break
     if not search.candidates:
         raise _nothing_fits(mesh, limit, search.smallest, search.errors)
@@ -154,7 +198,7 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
         search.candidates,
         key=lambda c: (float(f"{c.step_time_s:.9g}"), c.microbatches, c.memory),
     )
-    return _to_plan(traced, request, candidates[0], candidates[1:6])
+    return _to_plan(request, candidates[0], candidates[1:6])
 
 
 def _stage_budgets(p: int, limit: float, microbatches: int, layers: int) -> list[tuple[float, int]]:
@@ -216,38 +260,38 @@ def _bubble_factor(p: int, sizes: list[int], layers: int, request: PipelineReque
 class _Search:
     """The configurations costed so far, and why the others did not fit."""
 
-    def __init__(self, traced: TracedModel, request: PipelineRequest) -> None:
-        self.traced = traced
+    def __init__(self, request: PipelineRequest, layers: int) -> None:
         self.request = request
-        self.layers = traced.layers.count if traced.layers else 0
+        self.layers = layers
         self.candidates: list[Candidate] = []
         self.smallest: tuple[float, str] | None = None
         self.errors: list[InfeasiblePlanError] = []
+        self.traces: dict[int, TracedModel | None] = {}
 
     def solve(
         self,
         p: int,
         memory: float | None,
-        sizes: list[int],
+        source: Source,
         in_flight: int = 1,
         work_cutoff: float | None = None,
     ) -> Solved | None:
-        """The intra-op plan on one stage's mesh: the fastest (``memory`` None), else the
-        fastest within ``memory`` for ``in_flight`` of the smallest microbatch's
-        activations (``_stage_budgets``); None when none fits or none does less work than
-        ``work_cutoff``."""
+        """The intra-op plan of ``source`` on one stage's mesh: the fastest (``memory``
+        None), else the fastest within ``memory`` for ``in_flight`` of the smallest
+        microbatch's activations (``_stage_budgets``); None when none fits or none does
+        less work than ``work_cutoff``."""
         request = self.request
         solve = replace(
             request.solve,
             mesh=_stage_mesh(request.solve.mesh, p),
             memory_limit=memory,
-            microbatches=max(request.global_batch // request.traced_batch, 1),
-            batch_scale=in_flight * min(sizes) / request.traced_batch,
+            microbatches=max(request.global_batch // source.batch, 1),
+            batch_scale=in_flight * min(source.sizes) / source.batch,
             known_unfit=memory is not None,
             work_cutoff=work_cutoff,
         )
         try:
-            return solve_sharding(self.traced, solve)
+            return solve_sharding(source.traced, solve)
         except NothingFaster:
             return None
         except InfeasiblePlanError as error:
@@ -255,34 +299,34 @@ class _Search:
             self.errors.insert(0 if p == 1 else len(self.errors), error)
             return None
 
-    def cost(self, p: int, solved: Solved, sizes: list[int]) -> int:
-        """Cost every microbatch size and schedule of ``solved`` with ``p`` stages; returns
-        how many fit."""
+    def retrace(self, sizes: list[int]) -> Source | None:
+        """The model traced at the smallest of ``sizes`` (once per size), to cost them all;
+        None when it cannot be traced there (the example's trace still stands)."""
+        batch = min(sizes)
+        if batch not in self.traces:
+            assert self.request.retrace is not None
+            try:
+                self.traces[batch] = self.request.retrace(batch)
+            except AutoparError:
+                self.traces[batch] = None
+        traced = self.traces[batch]
+        return Source(traced, batch, tuple(sizes)) if traced is not None else None
+
+    def cost(self, p: int, solved: Solved, source: Source) -> int:
+        """Cost every microbatch size of ``source`` and schedule of ``solved`` with ``p``
+        stages; returns how many fit."""
         request = self.request
-        costs = layer_costs(self.traced, solved)
+        costs = layer_costs(source.traced, solved)
         stage_mesh = _stage_mesh(request.solve.mesh, p)
         # stages hand off along the whole mesh's outer axis (a stage's own outer axis may
         # be a single device, which sends nothing)
         links = MeshCost(request.solve.mesh, solved.cost.mesh_cost.preset)
-        limit = request.solve.memory_limit
         fitted = 0
-        for b in sizes:
+        for b in source.sizes:
             m = request.global_batch // b
-            scale = b / request.traced_batch
             for schedule, chunks in _schedules(p, self.layers, request):
                 found = _evaluate(
-                    costs,
-                    solved,
-                    stage_mesh,
-                    links,
-                    p,
-                    schedule,
-                    chunks,
-                    b,
-                    m,
-                    scale,
-                    limit,
-                    request,
+                    costs, solved, stage_mesh, links, p, schedule, chunks, b, m, source, request
                 )
                 if isinstance(found, Candidate):
                     self.candidates.append(found)
@@ -378,6 +422,31 @@ def _microbatch_sizes(request: PipelineRequest, stage_mesh: MeshSpec) -> list[in
     return sizes
 
 
+def _small_sizes(
+    request: PipelineRequest, stage_mesh: MeshSpec, sizes: list[int]
+) -> tuple[int, ...]:
+    """Microbatches below those the example's trace scales to (``_microbatch_sizes`` keeps
+    them divisible by a stage's devices), largest first: from one sequence per node of a
+    stage (its mesh's outer axis; Megatron's one sequence per data-parallel rank, tensor
+    parallel inside the node) doubling while below them. Their plan is solved on the model
+    traced again at the smallest, which every one of them is a multiple of. None when the
+    search may not trace again, or the options fix the microbatches or the cut."""
+    if (
+        request.retrace is None
+        or request.microbatches is not None
+        or request.cuts is not None
+        or stage_mesh.ndim < 2
+    ):
+        return ()
+    found: list[int] = []
+    size = stage_mesh.shape[0]
+    while size < min(sizes):
+        if request.traced_batch % size == 0 and request.global_batch % size == 0:
+            found.append(size)
+        size *= 2
+    return tuple(sorted(found, reverse=True))
+
+
 def _schedules(stages: int, layers: int, request: PipelineRequest) -> list[tuple[str, int]]:
     if stages == 1:
         return [("none", 1)]
@@ -411,12 +480,13 @@ def _evaluate(
     chunks: int,
     b: int,
     m: int,
-    scale: float,
-    limit: float | None,
+    source: Source,
     request: PipelineRequest,
 ) -> Candidate | tuple[float, str] | None:
     """A costed configuration, or (memory it needs, what) when it does not fit."""
     layers = len(costs.layers)
+    scale = b / source.batch
+    limit = request.solve.memory_limit
     if p == 1:
         parts = [costs.pre, *costs.layers, costs.post]
         # as the intra-op ILP counts it: compute and resharding per microbatch; gradient
@@ -447,6 +517,7 @@ def _evaluate(
             stage_mesh,
             0.0,
             sync,
+            source,
         )
         return candidate if limit is None or memory <= limit else (memory, "no pipeline")
     p2p = _p2p_times(costs, mesh_cost, p, scale)
@@ -489,6 +560,7 @@ def _evaluate(
         stage_mesh,
         pipeline - m * max(cut.stage_times),
         max(syncs),
+        source,
     )
 
 
@@ -579,10 +651,9 @@ def _nothing_fits(
     )
 
 
-def _to_plan(
-    traced: TracedModel, request: PipelineRequest, best: Candidate, others: list[Candidate]
-) -> Plan:
+def _to_plan(request: PipelineRequest, best: Candidate, others: list[Candidate]) -> Plan:
     mesh = request.solve.mesh
+    traced = best.source.traced
     base = build_plan(
         traced,
         best.solved,
@@ -614,8 +685,8 @@ def _to_plan(
                 modules = (*modules, "(after the layers)")
             ranks = tuple(range(physical * per_stage, (physical + 1) * per_stage))
             stages.append(Stage(index=chunk, layers=(first, last), modules=modules, ranks=ranks))
-    estimate = _estimate(base, best, mesh, request.traced_batch)
-    scale = best.microbatch_size / request.traced_batch
+    estimate = _estimate(base, best, mesh, best.source.batch)
+    scale = best.microbatch_size / best.source.batch
     recompute = tuple(
         r.model_copy(
             update={"saved_bytes": r.saved_bytes * scale, "recompute_s": r.recompute_s * scale}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import autopar
@@ -192,6 +194,7 @@ def test_the_bound_that_prunes_a_stage_count_is_below_every_configuration_it_sta
     a configuration that would have won."""
     from passes.pipeline.search import (
         PipelineRequest,
+        Source,
         _bubble_factor,
         _least_work,
         _microbatch_sizes,
@@ -206,12 +209,13 @@ def test_the_bound_that_prunes_a_stage_count_is_below_every_configuration_it_sta
     request = PipelineRequest(
         SolveRequest(mesh, precision="bf16_mixed"), global_batch=256, traced_batch=32
     )
-    search = _Search(traced, request)
+    search = _Search(request, layers=4)
     for p in (2, 4):
         sizes = _microbatch_sizes(request, _stage_mesh(mesh, p))
-        solved = search.solve(p, None, sizes)
+        source = Source(traced, 32, tuple(sizes))
+        solved = search.solve(p, None, source)
         assert solved is not None
-        search.cost(p, solved, sizes)
+        search.cost(p, solved, source)
         costed = [c for c in search.candidates if c.stages == p]
         # interleaving needs two chunks of layers per stage: four layers on two stages only
         interleaved = {"interleaved"} if p == 2 else set()
@@ -233,3 +237,65 @@ def test_the_bubble_factor_takes_the_most_microbatches_and_chunks_allowed():
     assert _bubble_factor(1, [32, 16, 8], 4, request) == 1.0
     assert _bubble_factor(2, [32, 16, 8], 4, request) == 1 + 1 / (32 * 2)
     assert _bubble_factor(4, [32, 16, 8], 4, request) == 1 + 3 / 32
+
+
+def test_small_microbatches_start_at_one_sequence_per_node_of_a_stage():
+    """A stage of 16 nodes x 8 GPUs splits a traced batch of 1024 down to 128 by scaling;
+    below that, from 16 sequences (one per node) doubling, the model is traced again."""
+    from passes.pipeline.search import PipelineRequest, _small_sizes
+    from passes.solve import SolveRequest
+
+    def request(**fields) -> PipelineRequest:
+        solve = SolveRequest(autopar.Mesh((128, 8), device="h100-sxm"))
+        return PipelineRequest(solve, 2048, 1024, retrace=lambda b: None, **fields)  # type: ignore[arg-type,return-value]
+
+    stage = autopar.Mesh((16, 8), device="h100-sxm")
+    assert _small_sizes(request(), stage, [1024, 512, 256, 128]) == (64, 32, 16)
+    assert _small_sizes(request(), stage, [16]) == ()  # the example's trace reaches them
+    assert _small_sizes(request(microbatches=16), stage, [128]) == ()  # fixed by the user
+    no_retrace = replace(request(), retrace=None)
+    assert _small_sizes(no_retrace, stage, [128]) == ()
+    flat = autopar.Mesh((128,), device="h100-sxm")
+    assert _small_sizes(request(), flat, [128]) == ()  # no node to give a sequence each
+
+
+def test_the_search_traces_again_only_below_a_stages_devices_and_once_per_size():
+    """Two stages of 2 x 2 devices: the example's 8 sequences scale to microbatches of 8
+    and 4; a microbatch of 2 (one sequence per node of a stage) needs its own trace, and a
+    size that cannot be traced is skipped, the plan standing on the example's trace."""
+    from passes.pipeline.search import PipelineRequest, plan_pipeline
+    from passes.solve import SolveRequest
+    from plans import UsageError
+
+    model, inputs = four_layers(batch=8)
+    traced = trace(model, inputs)
+    asked: list[int] = []
+
+    def retrace(size: int):
+        asked.append(size)
+        small, small_inputs = four_layers(batch=size)
+        return trace(small, small_inputs)
+
+    mesh = autopar.Mesh((4, 2), device="h100-sxm")
+    request = PipelineRequest(
+        SolveRequest(mesh, precision="bf16_mixed"),
+        global_batch=512,
+        traced_batch=8,
+        stages=2,
+        schedule="1f1b",
+        retrace=retrace,
+    )
+    plan = plan_pipeline(traced, request)
+    # 256 microbatches of 2 would leave a bubble small enough to beat the 64 of 8 on the
+    # bound, so the size is traced and planned (it loses: hand-offs cost more per sequence)
+    assert asked == [2]
+    assert plan.parallelism.pp == 2
+
+    def untraceable(size: int):
+        asked.append(size)
+        raise UsageError("cannot trace")
+
+    asked.clear()
+    fallback = plan_pipeline(traced, replace(request, retrace=untraceable))
+    assert asked == [2]
+    assert fallback.microbatch_size == plan.microbatch_size == 8
