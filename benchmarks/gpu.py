@@ -200,6 +200,8 @@ def main() -> int:
         copy.deepcopy(model), mesh, example_inputs=(tokens,), precision="bf16_mixed"
     )
     report["compile_s"] = time.perf_counter() - start
+    # runs from here on have the q/k/v projection as one matmul (``runtime.fused_projection``)
+    report["fused_projection"] = True
     compiled_time, compiled_peak = step_times(compiled, tokens, targets, device, args.steps)
     report["step"] = {
         "eager_s": eager_time,

@@ -599,6 +599,16 @@ def gpu(record: dict[str, Any] | None) -> str:
         f"{step['predicted_s'] / step['compiled_s']:.2f}x the measured one: the roofline "
         "leaves out kernel efficiency, launch gaps and the optimizer step."
     )
+    if not g.get("fused_projection"):
+        lines.append(
+            "- Changed since this run, not measured on a GPU yet: each rank's q/k/v "
+            "projection ran as an einsum (permutes and a batched matmul) and a separate "
+            "bias add, which under autocast promoted the bf16 product to fp32; it now runs "
+            "as eager's one matmul with the bias (`autopar/runtime/fused_projection.py`). "
+            "On CPU the compiled bf16 step now dispatches the same matmuls and casts as the "
+            "eager one (`tests/autopar/runtime/test_fused_projection.py`). The peak-memory "
+            "gap is not explained by it."
+        )
     lines += ["", "`tests/gpu/check_nccl.py` (NCCL on one GPU):", "", "```", *log, "```"]
     slow = next((line for line in log if "eager vs compiled" in line and "median" in line), None)
     if slow:
