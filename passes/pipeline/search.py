@@ -429,13 +429,19 @@ def _small_sizes(
     them divisible by a stage's devices), largest first: from one sequence per node of a
     stage (its mesh's outer axis; Megatron's one sequence per data-parallel rank, tensor
     parallel inside the node) doubling while below them. Their plan is solved on the model
-    traced again at the smallest, which every one of them is a multiple of. None when the
-    search may not trace again, or the options fix the microbatches or the cut."""
+    traced again at the smallest, which every one of them is a multiple of.
+
+    Only where the example's batch covers a stage's devices, so that halving it stopped at
+    them: an example smaller than that already spans a stage with other splits than the
+    batch's, and the user chose microbatches near it (tracing a large model again takes
+    seconds each: gpt3-175b, 6 s). None either when the search may not trace again, or
+    the options fix the microbatches or the cut."""
     if (
         request.retrace is None
         or request.microbatches is not None
         or request.cuts is not None
         or stage_mesh.ndim < 2
+        or request.traced_batch < stage_mesh.size
     ):
         return ()
     found: list[int] = []

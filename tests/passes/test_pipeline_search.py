@@ -241,7 +241,8 @@ def test_the_bubble_factor_takes_the_most_microbatches_and_chunks_allowed():
 
 def test_small_microbatches_start_at_one_sequence_per_node_of_a_stage():
     """A stage of 16 nodes x 8 GPUs splits a traced batch of 1024 down to 128 by scaling;
-    below that, from 16 sequences (one per node) doubling, the model is traced again."""
+    below that, from 16 sequences (one per node) doubling, the model is traced again, when
+    the example's batch reaches a stage's devices."""
     from passes.pipeline.search import PipelineRequest, _small_sizes
     from passes.solve import SolveRequest
 
@@ -257,6 +258,10 @@ def test_small_microbatches_start_at_one_sequence_per_node_of_a_stage():
     assert _small_sizes(no_retrace, stage, [128]) == ()
     flat = autopar.Mesh((128,), device="h100-sxm")
     assert _small_sizes(request(), flat, [128]) == ()  # no node to give a sequence each
+    # an example of 64 sequences already spans the 128 devices with other splits: the
+    # user's microbatches start there
+    small_example = replace(request(), traced_batch=64)
+    assert _small_sizes(small_example, stage, [64]) == ()
 
 
 def test_the_search_traces_again_only_below_a_stages_devices_and_once_per_size():
