@@ -16,6 +16,13 @@ must only ever see this device's piece. So, as DeepSpeed's ZeRO does:
 Values equal a plain data-parallel run; memory for optimizer state (and, for ZeRO-2, the
 gradient kept for the step) is divided by the ZeRO axes' size. Communication is one
 reduce-scatter and one all-gather per step, what an all-reduce costs.
+
+Parameters on the same groups are summed and gathered together, as DDP buckets and FSDP
+flattens them: up to ``bucket_bytes`` of them in one collective (``_Bucket``), each
+parameter's pieces laid end to end in the rows of ``runtime.collectives``'
+``reduce_scatter_rows`` and ``all_gather_rows`` (row ``r``: every parameter's ``r``-th
+piece), so a step of a 32-layer model makes a few collectives instead of one per tensor.
+A parameter whose dims do not split evenly keeps a bucket of its own.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.runtime.collectives import all_gather, all_reduce, reduce_scatter
+from autopar.runtime.collectives import all_gather, all_gather_rows, reduce_scatter_rows
 from plans.placement import Layout, Replicate, Shard
 
 
@@ -67,11 +74,138 @@ def master_piece(
     return piece.contiguous()
 
 
+@dataclass
+class _Bucket:
+    """ZeRO parameters on the same groups, summed and gathered in one collective per step."""
+
+    params: list[ZeroParam]
+
+    @property
+    def first(self) -> ZeroParam:
+        return self.params[0]
+
+    def gather(self) -> list[torch.Tensor]:
+        """Every master gathered back to its local parameter's shape."""
+        values = [p.master.detach() for p in self.params]
+        for step in reversed(range(len(self.first.zero_groups))):
+            dims = [p.dims[step] for p in self.params]
+            values = _all_gather_each(values, dims, self.first.zero_groups[step])
+        return values
+
+    def reduce(self) -> None:
+        """Sum each working gradient into its master's piece; free the working gradient."""
+        ready = [p for p in self.params if p.working.grad is not None]
+        grads = [g for p in ready if (g := p.working.grad) is not None]
+        if not ready:
+            return
+        first = self.first
+        for group in first.other_groups:
+            grads = _all_reduce_each(grads, group)
+        if first.shard_gradient:
+            for step, group in enumerate(first.zero_groups):
+                grads = _reduce_scatter_each(grads, [p.dims[step] for p in ready], group)
+        else:
+            for group in first.zero_groups:
+                grads = _all_reduce_each(grads, group)
+            sizes = tuple(dist.get_world_size(g) for g in first.zero_groups)
+            grads = [
+                master_piece(g, p.dims, p.coords, sizes) for g, p in zip(grads, ready, strict=True)
+            ]
+        for p, grad in zip(ready, grads, strict=True):
+            if p.master.grad is None:
+                p.master.grad = grad.clone()  # not a view of the bucket's buffer
+            else:
+                p.master.grad += grad
+            p.working.grad = None
+
+
+def make_buckets(params: list[ZeroParam], bucket_bytes: int = 25 * 2**20) -> list[_Bucket]:
+    """Group ``params`` by their groups and ZeRO stage into buckets of about
+    ``bucket_bytes`` (local size), in order; a parameter that does not split evenly at
+    every step gets a bucket of its own (its pieces differ in size across devices)."""
+    buckets: list[_Bucket] = []
+    open_: dict[tuple, tuple[_Bucket, list[int]]] = {}
+    for p in params:
+        if not _splits_evenly(p):
+            buckets.append(_Bucket([p]))
+            continue
+        key = (
+            tuple(id(g) for g in p.zero_groups),
+            tuple(id(g) for g in p.other_groups),
+            p.shard_gradient,
+            p.working.dtype,
+        )
+        size = p.working.numel() * p.working.element_size()
+        if key in open_ and open_[key][1][0] + size <= bucket_bytes:
+            bucket, filled = open_[key]
+            bucket.params.append(p)
+            filled[0] += size
+            continue
+        bucket = _Bucket([p])
+        buckets.append(bucket)
+        open_[key] = (bucket, [size])
+    return buckets
+
+
+def _splits_evenly(p: ZeroParam) -> bool:
+    shape = list(p.working.shape)
+    for dim, group in zip(p.dims, p.zero_groups, strict=True):
+        n = dist.get_world_size(group)
+        if shape[dim] % n:
+            return False
+        shape[dim] //= n
+    return True
+
+
+def _all_reduce_each(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Each tensor summed over ``group``, in one all-reduce of them laid end to end."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    return _split(flat, [t.shape for t in tensors])
+
+
+def _reduce_scatter_each(
+    tensors: list[torch.Tensor], dims: list[int], group: dist.ProcessGroup
+) -> list[torch.Tensor]:
+    """Each tensor summed over ``group``, this device keeping its piece along its dim (as
+    ``reduce_scatter`` per tensor), in one collective."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    pieces = [t.chunk(n, d) for t, d in zip(tensors, dims, strict=True)]
+    rows = torch.stack([torch.cat([p[r].reshape(-1) for p in pieces]) for r in range(n)])
+    return _split(reduce_scatter_rows(rows, group), [p[rank].shape for p in pieces])
+
+
+def _all_gather_each(
+    tensors: list[torch.Tensor], dims: list[int], group: dist.ProcessGroup
+) -> list[torch.Tensor]:
+    """Each tensor's pieces from every device of ``group`` joined along its dim (as
+    ``all_gather`` per tensor), in one collective."""
+    rows = all_gather_rows(torch.cat([t.reshape(-1) for t in tensors]), group)
+    n = rows.shape[0]
+    out, offset = [], 0
+    for t, dim in zip(tensors, dims, strict=True):
+        numel = t.numel()
+        pieces = [rows[r, offset : offset + numel].view(t.shape) for r in range(n)]
+        out.append(torch.cat(pieces, dim=dim))
+        offset += numel
+    return out
+
+
+def _split(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for shape in shapes:
+        numel = shape.numel()
+        out.append(flat[offset : offset + numel].view(shape))
+        offset += numel
+    return out
+
+
 class ZeroShards:
     """The ZeRO parameters of one compiled model: gathers before forward, sums after."""
 
     def __init__(self, params: list[ZeroParam]) -> None:
         self.params = {p.name: p for p in params}
+        self.buckets = make_buckets(params)
         self._queued = False
         self._hooks = [p.working.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
@@ -81,11 +215,12 @@ class ZeroShards:
     def gather(self) -> None:
         """Refresh every working copy whose master changed since it was last gathered."""
         with torch.no_grad():
-            for p in self.params.values():
-                if p.master._version == p.seen_version:
+            for bucket in self.buckets:
+                if all(p.master._version == p.seen_version for p in bucket.params):
                     continue
-                p.working.copy_(self.whole(p, p.master.detach()))
-                p.seen_version = p.master._version
+                for p, whole in zip(bucket.params, bucket.gather(), strict=True):
+                    p.working.copy_(whole)
+                    p.seen_version = p.master._version
 
     def whole(self, p: ZeroParam, piece: torch.Tensor) -> torch.Tensor:
         """A master-shaped tensor gathered back to the local parameter's shape."""
@@ -100,27 +235,10 @@ class ZeroShards:
             self._queued = True
 
     def _reduce(self) -> None:
-        """Sum each working gradient into its master's piece; free the working gradient."""
+        """Sum each working gradient into its master's piece, bucket by bucket."""
         with torch.no_grad():
-            for p in self.params.values():
-                grad = p.working.grad
-                if grad is None:
-                    continue
-                for group in p.other_groups:
-                    grad = all_reduce(grad, group)
-                if p.shard_gradient:
-                    for dim, group in zip(p.dims, p.zero_groups, strict=True):
-                        grad = reduce_scatter(grad, dim, group)
-                else:
-                    for group in p.zero_groups:
-                        grad = all_reduce(grad, group)
-                    sizes = tuple(dist.get_world_size(g) for g in p.zero_groups)
-                    grad = master_piece(grad, p.dims, p.coords, sizes)
-                if p.master.grad is None:
-                    p.master.grad = grad.clone()
-                else:
-                    p.master.grad += grad
-                p.working.grad = None
+            for bucket in self.buckets:
+                bucket.reduce()
         self._queued = False
 
     def assign(self, name: str, local: torch.Tensor) -> None:

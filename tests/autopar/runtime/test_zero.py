@@ -53,3 +53,52 @@ def test_the_optimizer_holds_a_quarter_of_the_state_under_zero_on_four_data_rank
         sharded = results[f"gpt-tiny/dp/zero={stage}"]["state_fraction"]
         assert plain == pytest.approx(1.0)
         assert sharded <= 0.26
+
+
+def _zero_step(rank: int, world: int, stage: int) -> dict:
+    """One ZeRO step of gpt-tiny on ``world`` data ranks: the collectives of the gradient
+    sum (after backward) and of the gather (before the next forward)."""
+    from collections import Counter
+
+    import autopar
+    from examples.models import build
+    from tests.autopar.runtime.collective_counts import counting
+
+    torch.manual_seed(0)
+    model, (tokens,) = build("gpt-tiny", batch_size=4)
+    mesh = autopar.Mesh((world,), ("dp",), device="cpu")
+    compiled = autopar.compile(model, mesh, example_inputs=(tokens,), force="dp", zero=stage)
+    optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
+    reduce: Counter[str] = Counter()
+    gather: Counter[str] = Counter()
+    shards = compiled._zero
+    summing = shards._reduce
+
+    def counted() -> None:  # the sum queued at the end of backward, alone
+        with counting(reduce):
+            summing()
+
+    shards._reduce = counted  # type: ignore[method-assign]
+    compiled(tokens).float().square().mean().backward()
+    optimizer.step()
+    with counting(gather):
+        compiled._zero.gather()
+    return {
+        "reduce": dict(reduce),
+        "gather": dict(gather),
+        "zero_params": len(compiled._zero.params),
+        "buckets": len(compiled._zero.buckets),
+    }
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_sums_and_gathers_a_bucket_of_parameters_per_collective(stage: int) -> None:
+    """gpt-tiny's parameters fit one bucket (25 MiB): the gradients of all those whose
+    dims split are summed in one collective, and the masters gathered back in one, where
+    each parameter had its own. Those that do not split evenly keep their own."""
+    rank, _ = run_ranks(_zero_step, 2, (stage,))
+    assert rank["zero_params"] > 20
+    assert rank["buckets"] < rank["zero_params"] / 4
+    # (gloo builds the reduce-scatter from an all-reduce)
+    assert sum(rank["reduce"].values()) == rank["buckets"]
+    assert sum(rank["gather"].values()) == rank["buckets"]
