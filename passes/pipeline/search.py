@@ -153,7 +153,9 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
         if solved is None:
             continue
         fits = search.cost(p, solved, source) > 0
-        small = _small_sizes(request, stage_mesh, sizes)
+        # without a pipeline a smaller microbatch only holds fewer activations: worth
+        # tracing again only when the example's does not fit
+        small = _small_sizes(request, stage_mesh, sizes) if p > 1 or not fits else ()
         if (fits and not small) or (not fits and limit is None):
             continue
         work = _least_work(solved, mesh, p, request.solve.time_limit)
