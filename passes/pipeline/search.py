@@ -187,7 +187,7 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
                 continue
         assert limit is not None
         m = request.global_batch // min(sizes)
-        for memory, in_flight in _stage_budgets(p, limit, m, search.layers):
+        for memory, in_flight in _stage_budgets(p, limit, m, search.layers, request):
             solved = search.solve(p, memory, source, in_flight, cutoff)
             if solved is None or search.cost(p, solved, source):
                 break
@@ -203,25 +203,32 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
     return _to_plan(request, candidates[0], candidates[1:6])
 
 
-def _stage_budgets(p: int, limit: float, microbatches: int, layers: int) -> list[tuple[float, int]]:
+def _stage_budgets(
+    p: int, limit: float, microbatches: int, layers: int, request: PipelineRequest
+) -> list[tuple[float, float]]:
     """The memory rows the intra-op plan of ``p`` stages is solved under, in turn, until
     one gives a stage cut that fits: (limit of the row, weight of one microbatch's
     activations in it).
 
-    The heaviest stage holds ``c = ceil(L / p)`` of the ``L`` layers, and under 1F1B the
-    first stage holds ``k = min(p, m)`` microbatches in flight (Narayanan et al. 2021). With
-    the whole model's states ``S`` and one microbatch's activations ``A``, spread evenly
-    over the layers::
+    The heaviest stage holds ``c = ceil(L / p)`` of the ``L`` layers, and the first stage
+    ``k`` microbatches in flight (``cost_model.memory.microbatches_in_flight``): under 1F1B
+    ``min(p, m)`` (Narayanan et al. 2021), the least of the schedules searched (GPipe
+    takes as long and holds ``m``); the schedule the user fixed otherwise. With the whole
+    model's states ``S`` and one microbatch's activations ``A``, spread evenly over the
+    layers::
 
         (S + k A) c / L <= limit    <=>    S + k A <= limit L / c
 
     which is the first row. The end stages also hold the embedding and the head, so if
     no cut fits, the second row leaves them a quarter of the budget."""
     if p == 1:
-        return [(limit, 1)]
+        return [(limit, 1.0)]
     per_stage = -(-max(layers, 1) // p)
     budget = limit * max(layers, 1) / per_stage
-    in_flight = min(p, microbatches)
+    schedule, chunks = (request.schedule or "1f1b"), (request.chunks or 2)
+    if schedule != "interleaved":
+        chunks = 1
+    in_flight = microbatches_in_flight(schedule, p, 0, microbatches, chunks)
     return [(budget, in_flight), (0.75 * budget, in_flight)]
 
 
@@ -275,7 +282,7 @@ class _Search:
         p: int,
         memory: float | None,
         source: Source,
-        in_flight: int = 1,
+        in_flight: float = 1.0,
         work_cutoff: float | None = None,
     ) -> Solved | None:
         """The intra-op plan of ``source`` on one stage's mesh: the fastest (``memory``

@@ -175,16 +175,24 @@ def test_nothing_fitting_is_told_at_the_users_limit_on_the_whole_mesh():
 def test_a_stage_count_is_first_solved_for_its_heaviest_stage_under_1f1b():
     """80 layers on 32 stages: the heaviest stage holds 3 layers and, under 1F1B, 32
     microbatches in flight, so the whole model's states plus 32 microbatches' activations
-    must fit 80/3 devices' memory; then a quarter less, for the embedding and the head."""
-    from passes.pipeline.search import _stage_budgets
+    must fit 80/3 devices' memory; then a quarter less, for the embedding and the head. A
+    schedule the user fixes sets the microbatches in flight: GPipe holds all 64."""
+    from passes.pipeline.search import PipelineRequest, _stage_budgets
+    from passes.solve import SolveRequest
 
+    searched = PipelineRequest(SolveRequest(autopar.Mesh((32, 8))), 512, 8)
     limit = 80.0
-    assert _stage_budgets(32, limit, microbatches=64, layers=80) == [
+    assert _stage_budgets(32, limit, 64, 80, searched) == [
         (limit * 80 / 3, 32),
         (0.75 * limit * 80 / 3, 32),
     ]
-    assert _stage_budgets(4, limit, microbatches=2, layers=32)[0] == (limit * 4, 2)
-    assert _stage_budgets(1, limit, microbatches=64, layers=80) == [(limit, 1)]
+    assert _stage_budgets(4, limit, 2, 32, searched)[0] == (limit * 4, 2)
+    assert _stage_budgets(1, limit, 64, 80, searched) == [(limit, 1)]
+    gpipe = replace(searched, schedule="gpipe")
+    assert _stage_budgets(32, limit, 64, 80, gpipe)[0] == (limit * 80 / 3, 64)
+    # interleaved, two chunks: Megatron's warm-up, p (1 + (p - 1) / (p v)) for stage 0
+    interleaved = replace(searched, schedule="interleaved", chunks=2)
+    assert _stage_budgets(4, limit, 64, 32, interleaved)[0] == (limit * 4, 4 * (1 + 3 / 8))
 
 
 def test_the_bound_that_prunes_a_stage_count_is_below_every_configuration_it_stands_for():
