@@ -312,3 +312,26 @@ def test_the_search_traces_again_only_below_a_stages_devices_and_once_per_size()
     fallback = plan_pipeline(traced, replace(request, retrace=untraceable))
     assert asked == [2]
     assert fallback.microbatch_size == plan.microbatch_size == 8
+
+
+def test_a_second_trace_keeps_the_node_names_so_hints_still_bind():
+    """Hints and forced styles constrain ops by node name; the model traced again at a
+    smaller microbatch has the same names, so the plans of either trace honour them."""
+    import yaml
+
+    model, (tokens,) = build("llama-tiny", batch_size=8, device="meta")
+    small, (small_tokens,) = build("llama-tiny", batch_size=2, device="meta")
+    names = [n.name for n in trace(model, (tokens,)).graph.nodes]
+    assert names == [n.name for n in trace(small, (small_tokens,)).graph.nodes]
+
+    from pathlib import Path
+
+    hint_file = Path(__file__).resolve().parents[2] / "examples" / "hints" / "megatron.yaml"
+    hints = yaml.safe_load(hint_file.read_text())
+    hints.pop("pipeline")  # two stages, so microbatches of 2 (below 4 devices) are traced
+    mesh = autopar.Mesh((4, 2), ("dp", "tp"), device="h100-sxm")
+    plan = autopar.plan(model, mesh, (tokens,), global_batch=256, stages=2, hints=hints)
+    for layer in range(2):
+        q = plan.params[f"layers.{layer}.attn.q_proj.weight"].param
+        o = plan.params[f"layers.{layer}.attn.o_proj.weight"].param
+        assert (str(q), str(o)) == ("[R, S(0)]", "[R, S(1)]")  # column, row parallel on tp
