@@ -24,6 +24,7 @@ move more bytes but give the same values, which is what CPU tests need.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -78,12 +79,23 @@ def all_gather_rows(flat: torch.Tensor, group: Group) -> torch.Tensor:
 def reduce_scatter_rows(rows: torch.Tensor, group: Group) -> torch.Tensor:
     """The sum over devices of row ``rank`` of every device's ``[n, numel]`` ``rows``, a
     fresh 1-D tensor (``rows`` may be overwritten): the adjoint of ``all_gather_rows``."""
+    work, result = start_reduce_scatter_rows(rows, group)
+    work.wait()
+    return result()
+
+
+def start_reduce_scatter_rows(
+    rows: torch.Tensor, group: Group
+) -> tuple[dist.Work, Callable[[], torch.Tensor]]:
+    """``reduce_scatter_rows`` launched without waiting: the work to wait on, and what
+    gives the result once it is done."""
     if _gloo(group):
-        dist.all_reduce(rows, group=group)
-        return rows[dist.get_rank(group)].clone()  # not a view: it must not keep all rows
+        work = dist.all_reduce(rows, group=group, async_op=True)
+        # cloned once done, not a view: it must not keep all rows
+        return work, rows[dist.get_rank(group)].clone
     out = torch.empty(rows.shape[1:], dtype=rows.dtype, device=rows.device)
-    dist.reduce_scatter_tensor(out, rows, group=group)
-    return out
+    work = dist.reduce_scatter_tensor(out, rows, group=group, async_op=True)
+    return work, lambda: out
 
 
 def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -22,18 +22,26 @@ flattens them: up to ``bucket_bytes`` of them in one collective (``_Bucket``), e
 parameter's pieces laid end to end in the rows of ``runtime.collectives``'
 ``reduce_scatter_rows`` and ``all_gather_rows`` (row ``r``: every parameter's ``r``-th
 piece), so a step of a 32-layer model makes a few collectives instead of one per tensor.
-A parameter whose dims do not split evenly keeps a bucket of its own.
+A bucket's sum starts as soon as backward has produced its gradients, overlapping the rest
+of backward, and the end of backward waits for it. A parameter whose dims do not split
+evenly keeps a bucket of its own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.runtime.collectives import all_gather, all_gather_rows, reduce_scatter_rows
+from autopar.runtime.collectives import (
+    all_gather,
+    all_gather_rows,
+    reduce_scatter_rows,
+    start_reduce_scatter_rows,
+)
 from plans.placement import Layout, Replicate, Shard
 
 
@@ -75,10 +83,25 @@ def master_piece(
 
 
 @dataclass
+class _Started:
+    """A bucket's first collective, launched while backward goes on."""
+
+    params: list[ZeroParam]  # those whose gradient it sums
+    work: dist.Work
+    result: Callable[[], torch.Tensor]  # the flat result once ``work`` is done
+    shapes: list[torch.Size]
+
+
+@dataclass
 class _Bucket:
-    """ZeRO parameters on the same groups, summed and gathered in one collective per step."""
+    """ZeRO parameters on the same groups, summed and gathered in one collective per step.
+
+    As DDP's buckets, the sum starts (``start``) as soon as backward has produced every
+    gradient of the bucket, and the end of backward waits for it (``finish``)."""
 
     params: list[ZeroParam]
+    ready: int = 0
+    started: _Started | None = None
 
     @property
     def first(self) -> ZeroParam:
@@ -92,31 +115,64 @@ class _Bucket:
             values = _all_gather_each(values, dims, self.first.zero_groups[step])
         return values
 
-    def reduce(self) -> None:
-        """Sum each working gradient into its master's piece; free the working gradient."""
-        ready = [p for p in self.params if p.working.grad is not None]
-        grads = [g for p in ready if (g := p.working.grad) is not None]
-        if not ready:
-            return
+    def start(self) -> None:
+        """Launch the first collective of the sum over the first ZeRO axis, not waiting;
+        a bucket also replicated on other axes is summed whole in ``finish``."""
         first = self.first
-        for group in first.other_groups:
-            grads = _all_reduce_each(grads, group)
+        ready = [p for p in self.params if p.working.grad is not None]
+        if first.other_groups or not ready:
+            return
+        grads = [g for p in ready if (g := p.working.grad) is not None]
+        group = first.zero_groups[0]
         if first.shard_gradient:
-            for step, group in enumerate(first.zero_groups):
-                grads = _reduce_scatter_each(grads, [p.dims[step] for p in ready], group)
+            n, rank = dist.get_world_size(group), dist.get_rank(group)
+            pieces = [g.chunk(n, p.dims[0]) for g, p in zip(grads, ready, strict=True)]
+            rows = torch.stack([torch.cat([q[r].reshape(-1) for q in pieces]) for r in range(n)])
+            work, result = start_reduce_scatter_rows(rows, group)
+            self.started = _Started(ready, work, result, [q[rank].shape for q in pieces])
         else:
-            for group in first.zero_groups:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            work = dist.all_reduce(flat, group=group, async_op=True)
+            self.started = _Started(ready, work, lambda: flat, [g.shape for g in grads])
+
+    def finish(self) -> None:
+        """Sum each working gradient into its master's piece (waiting for what ``start``
+        launched); free the working gradient."""
+        started, self.started, self.ready = self.started, None, 0
+        if started is not None:
+            started.work.wait()
+            ready = started.params
+            grads = self._sum(ready, _split(started.result(), started.shapes), done=1)
+        else:
+            ready = [p for p in self.params if p.working.grad is not None]
+            grads = [g for p in ready if (g := p.working.grad) is not None]
+            if not ready:
+                return
+            for group in self.first.other_groups:
                 grads = _all_reduce_each(grads, group)
-            sizes = tuple(dist.get_world_size(g) for g in first.zero_groups)
-            grads = [
-                master_piece(g, p.dims, p.coords, sizes) for g, p in zip(grads, ready, strict=True)
-            ]
+            grads = self._sum(ready, grads, done=0)
         for p, grad in zip(ready, grads, strict=True):
             if p.master.grad is None:
                 p.master.grad = grad.clone()  # not a view of the bucket's buffer
             else:
                 p.master.grad += grad
             p.working.grad = None
+
+    def _sum(
+        self, ready: list[ZeroParam], grads: list[torch.Tensor], done: int
+    ) -> list[torch.Tensor]:
+        """The rest of the sum over the ZeRO axes after the first ``done``: each
+        gradient's piece for this device's master."""
+        first = self.first
+        if first.shard_gradient:
+            for step in range(done, len(first.zero_groups)):
+                dims = [p.dims[step] for p in ready]
+                grads = _reduce_scatter_each(grads, dims, first.zero_groups[step])
+            return grads
+        for group in first.zero_groups[done:]:
+            grads = _all_reduce_each(grads, group)
+        sizes = tuple(dist.get_world_size(g) for g in first.zero_groups)
+        return [master_piece(g, p.dims, p.coords, sizes) for g, p in zip(grads, ready, strict=True)]
 
 
 def make_buckets(params: list[ZeroParam], bucket_bytes: int = 25 * 2**20) -> list[_Bucket]:
@@ -206,6 +262,7 @@ class ZeroShards:
     def __init__(self, params: list[ZeroParam]) -> None:
         self.params = {p.name: p for p in params}
         self.buckets = make_buckets(params)
+        self._bucket_of = {id(p.working): b for b in self.buckets for p in b.params}
         self._queued = False
         self._hooks = [p.working.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
@@ -229,16 +286,21 @@ class ZeroShards:
             value = all_gather(value, dim, group)
         return value
 
-    def _on_grad(self, _: torch.Tensor) -> None:
+    def _on_grad(self, working: torch.Tensor) -> None:
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
             self._queued = True
+        bucket = self._bucket_of[id(working)]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            with torch.no_grad():
+                bucket.start()
 
     def _reduce(self) -> None:
         """Sum each working gradient into its master's piece, bucket by bucket."""
         with torch.no_grad():
             for bucket in self.buckets:
-                bucket.reduce()
+                bucket.finish()
         self._queued = False
 
     def assign(self, name: str, local: torch.Tensor) -> None:

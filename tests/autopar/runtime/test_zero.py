@@ -57,7 +57,7 @@ def test_the_optimizer_holds_a_quarter_of_the_state_under_zero_on_four_data_rank
 
 def _zero_step(rank: int, world: int, stage: int) -> dict:
     """One ZeRO step of gpt-tiny on ``world`` data ranks: the collectives of the gradient
-    sum (after backward) and of the gather (before the next forward)."""
+    sum (in backward and at its end) and of the gather (before the next forward)."""
     from collections import Counter
 
     import autopar
@@ -71,14 +71,20 @@ def _zero_step(rank: int, world: int, stage: int) -> dict:
     optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
     reduce: Counter[str] = Counter()
     gather: Counter[str] = Counter()
-    shards = compiled._zero
-    summing = shards._reduce
+    launched_in_backward = []
 
-    def counted() -> None:  # the sum queued at the end of backward, alone
-        with counting(reduce):
-            summing()
+    def counted(method):  # a bucket's own collectives, started in backward or at its end
+        def run() -> None:
+            with counting(reduce):
+                method()
+            if method.__name__ == "start":
+                launched_in_backward.append(method.__self__.started is not None)
 
-    shards._reduce = counted  # type: ignore[method-assign]
+        return run
+
+    for bucket in compiled._zero.buckets:
+        bucket.start = counted(bucket.start)  # type: ignore[method-assign]
+        bucket.finish = counted(bucket.finish)  # type: ignore[method-assign]
     compiled(tokens).float().square().mean().backward()
     optimizer.step()
     with counting(gather):
@@ -88,6 +94,7 @@ def _zero_step(rank: int, world: int, stage: int) -> dict:
         "gather": dict(gather),
         "zero_params": len(compiled._zero.params),
         "buckets": len(compiled._zero.buckets),
+        "launched_in_backward": launched_in_backward,
     }
 
 
@@ -101,4 +108,6 @@ def test_zero_sums_and_gathers_a_bucket_of_parameters_per_collective(stage: int)
     assert rank["buckets"] < rank["zero_params"] / 4
     # (gloo builds the reduce-scatter from an all-reduce)
     assert sum(rank["reduce"].values()) == rank["buckets"]
+    # each launched as soon as backward had its gradients, waited for at the end (DDP's way)
+    assert rank["launched_in_backward"] == [True] * rank["buckets"]
     assert sum(rank["gather"].values()) == rank["buckets"]
