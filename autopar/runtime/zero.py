@@ -37,7 +37,6 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.runtime.collectives import (
-    all_gather,
     all_gather_rows,
     reduce_scatter_rows,
     start_reduce_scatter_rows,
@@ -109,11 +108,7 @@ class _Bucket:
 
     def gather(self) -> list[torch.Tensor]:
         """Every master gathered back to its local parameter's shape."""
-        values = [p.master.detach() for p in self.params]
-        for step in reversed(range(len(self.first.zero_groups))):
-            dims = [p.dims[step] for p in self.params]
-            values = _all_gather_each(values, dims, self.first.zero_groups[step])
-        return values
+        return _gather_back(self.params, [p.master.detach() for p in self.params])
 
     def start(self) -> None:
         """Launch the first collective of the sum over the first ZeRO axis, not waiting;
@@ -125,11 +120,9 @@ class _Bucket:
         grads = [g for p in ready if (g := p.working.grad) is not None]
         group = first.zero_groups[0]
         if first.shard_gradient:
-            n, rank = dist.get_world_size(group), dist.get_rank(group)
-            pieces = [g.chunk(n, p.dims[0]) for g, p in zip(grads, ready, strict=True)]
-            rows = torch.stack([torch.cat([q[r].reshape(-1) for q in pieces]) for r in range(n)])
+            rows, shapes = _piece_rows(grads, [p.dims[0] for p in ready], group)
             work, result = start_reduce_scatter_rows(rows, group)
-            self.started = _Started(ready, work, result, [q[rank].shape for q in pieces])
+            self.started = _Started(ready, work, result, shapes)
         else:
             flat = torch.cat([g.reshape(-1) for g in grads])
             work = dist.all_reduce(flat, group=group, async_op=True)
@@ -225,10 +218,29 @@ def _reduce_scatter_each(
 ) -> list[torch.Tensor]:
     """Each tensor summed over ``group``, this device keeping its piece along its dim (as
     ``reduce_scatter`` per tensor), in one collective."""
+    rows, shapes = _piece_rows(tensors, dims, group)
+    return _split(reduce_scatter_rows(rows, group), shapes)
+
+
+def _piece_rows(
+    tensors: list[torch.Tensor], dims: list[int], group: dist.ProcessGroup
+) -> tuple[torch.Tensor, list[torch.Size]]:
+    """The ``[n, numel]`` rows of ``reduce_scatter_rows`` (row ``r``: each tensor's ``r``-th
+    piece along its dim, end to end), and the shapes of this device's pieces."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     pieces = [t.chunk(n, d) for t, d in zip(tensors, dims, strict=True)]
     rows = torch.stack([torch.cat([p[r].reshape(-1) for p in pieces]) for r in range(n)])
-    return _split(reduce_scatter_rows(rows, group), [p[rank].shape for p in pieces])
+    return rows, [p[rank].shape for p in pieces]
+
+
+def _gather_back(params: list[ZeroParam], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Master-shaped ``pieces`` of ``params`` (on the same groups) gathered back to their
+    local parameters' shapes, the last ZeRO axis first."""
+    values = pieces
+    for step in reversed(range(len(params[0].zero_groups))):
+        dims = [p.dims[step] for p in params]
+        values = _all_gather_each(values, dims, params[0].zero_groups[step])
+    return values
 
 
 def _all_gather_each(
@@ -281,10 +293,7 @@ class ZeroShards:
 
     def whole(self, p: ZeroParam, piece: torch.Tensor) -> torch.Tensor:
         """A master-shaped tensor gathered back to the local parameter's shape."""
-        value = piece
-        for dim, group in reversed(list(zip(p.dims, p.zero_groups, strict=True))):
-            value = all_gather(value, dim, group)
-        return value
+        return _gather_back([p], [piece])[0]
 
     def _on_grad(self, working: torch.Tensor) -> None:
         if not self._queued:
