@@ -8,6 +8,7 @@ the rank's module.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -302,7 +303,7 @@ def _build(
     if chosen.parallelism.pp > 1:
         device_mesh = pipeline_mesh(chosen, device.type)
     _seed_alike(device)
-    return CompiledModel(
+    compiled = CompiledModel(
         model,
         traced,
         chosen,
@@ -312,6 +313,13 @@ def _build(
         outputs=outputs,
         loss_fn=loss_fn,
     )
+    # torch.export leaves reference cycles (its tracer's module wrapper) that hold the
+    # traced module, hence its weights; Python's cycle collector runs on object counts, not
+    # on device memory, so without this the weights the compiled module has copied would
+    # stay allocated beside it: one whole fp32 copy of the model on a GPU.
+    del traced
+    gc.collect()
+    return compiled
 
 
 def example_batch(args: tuple[Any, ...]) -> int:

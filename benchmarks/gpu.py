@@ -207,6 +207,8 @@ def main() -> int:
     report["compile_s"] = time.perf_counter() - start
     # runs from here on have the q/k/v projection as one matmul (``runtime.fused_projection``)
     report["fused_projection"] = True
+    # and the model given to compile is freed when it returns (``autopar.api._build``)
+    report["frees_given_model"] = True
     compiled_time, compiled_peak, compiled_resident = step_times(
         compiled, tokens, targets, device, args.steps
     )
