@@ -6,7 +6,8 @@ On one CUDA device, for a GPT of about 1.3B parameters (the gpt3-1.3b preset) in
 mixed precision (autocast; fp32 master weights, AdamW):
 
 1. eager and ``autopar.compile`` on a mesh of 1 (NCCL): median step time of 10 steps after
-   3 warm-up steps, and peak memory (``torch.cuda.max_memory_allocated``);
+   3 warm-up steps, and peak memory (``torch.cuda.max_memory_allocated``), each alone; then
+   both held at once, step time in alternating pairs (the ratio the target is judged on);
 2. the main ops of the traced graph (matmuls, attention, norms, pointwise), each timed alone
    on the GPU (forward, CUDA events, median of 20) next to the cost model's prediction for
    the preset and for a preset calibrated on this GPU;
@@ -76,17 +77,52 @@ def step_times(
     for i in range(warmup + steps):
         synchronize(device)
         start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = model(tokens)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        loss.backward()
-        optimizer.step()
+        one_step(model, optimizer, tokens, targets, device)
         synchronize(device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
     return statistics.median(times), float(peak), float(resident)
+
+
+def side_by_side(
+    eager: torch.nn.Module,
+    compiled: torch.nn.Module,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    device: torch.device,
+    rounds: int = 5,
+) -> dict[str, float]:
+    """Step times of the two models in alternating pairs, both held at once: a clock or
+    allocator drift between two runs one after the other cannot pass for overhead."""
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (eager, compiled)]
+    times: list[list[float]] = [[], []]
+    for i in range(rounds + 1):
+        for which, model in enumerate((eager, compiled)):
+            for _ in range(2):
+                synchronize(device)
+                start = time.perf_counter()
+                one_step(model, optimizers[which], tokens, targets, device)
+                synchronize(device)
+                if i > 0:  # the first round warms both up
+                    times[which].append(time.perf_counter() - start)
+    eager_s, compiled_s = (statistics.median(t) for t in times)
+    return {"eager_s": eager_s, "compiled_s": compiled_s, "ratio": compiled_s / eager_s}
+
+
+def one_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    device: torch.device,
+) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        logits = model(tokens)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    loss.backward()
+    optimizer.step()
 
 
 def time_op(node: torch.fx.Node, device: torch.device, repeat: int = 20) -> float:
@@ -224,6 +260,12 @@ def main() -> int:
         "compiled_resident_bytes": compiled_resident,
         "predicted_s": compiled.plan.estimate.step_time_s,
     }
+    try:
+        report["side_by_side"] = side_by_side(
+            copy.deepcopy(model), compiled, tokens, targets, device
+        )
+    except torch.OutOfMemoryError:  # both models at once need twice the weights and state
+        report["side_by_side"] = None
     report["ops"] = op_table(model, tokens, device, presets)
     (args.out / "gpu.json").write_text(json.dumps(report, indent=2))
 
@@ -237,6 +279,12 @@ def main() -> int:
         f"| step time (median of {args.steps}) | {s['eager_s'] * 1e3:.1f} ms | "
         f"{s['compiled_s'] * 1e3:.1f} ms | {s['ratio']:.3f} |"
     )
+    pair = report["side_by_side"]
+    if pair is not None:
+        print(
+            f"| step time, alternating pairs | {pair['eager_s'] * 1e3:.1f} ms | "
+            f"{pair['compiled_s'] * 1e3:.1f} ms | {pair['ratio']:.3f} |"
+        )
     print(
         f"| peak memory | {s['eager_peak_bytes'] / 2**30:.2f} GiB | "
         f"{s['compiled_peak_bytes'] / 2**30:.2f} GiB | "
