@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.runtime.pending import DeferredAllReduce
+
 Group = dist.ProcessGroup
 
 
@@ -201,10 +203,15 @@ class ReduceScatter(Collective):
 
 
 class AllReduce(Collective):
-    def forward(self, x: torch.Tensor, adjoint: bool = True) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, adjoint: bool = True, deferred: bool = False
+    ) -> torch.Tensor:
         """Sum ``x`` over the group. ``adjoint=False`` (only where every device's gradient
         is the same, see the module docstring): backward passes the gradient through
-        instead of all-reducing it."""
+        instead of all-reducing it. ``deferred`` (with ``adjoint=False``, for a module
+        output): return at once, the sum waited for when first read (``runtime.pending``)."""
+        if deferred:
+            return DeferredAllReduce.apply(x, self.group)
         if not adjoint:
             return _AllReduceNoAdjoint.apply(x, self.group)
         return _AllReduce.apply(x, self.group)

@@ -20,6 +20,12 @@ loss, forward) besides the gradient buckets, instead of two: each is a synchroni
 of every rank (~2 ms on the runtime benchmark's loaded gloo ranks, where a step is ~200 ms).
 The gradients are the same (exactly so for a power-of-two ``n`` and ``loss.backward()``).
 
+Where the scale goes and the all-reduce is then the output itself, it is also *deferred*
+(``deferred=True``): launched without waiting, its sum waited for when the loss is first
+read (``runtime.pending``), so that the ranks do not wait for each other before backward::
+
+    all_reduce_dp = self.all_reduce_dp(cross_entropy_loss, adjoint = False, deferred = True)
+
 Only an all-reduce whose one consumer is the boundary is rewritten: one that also feeds an
 op inside the graph receives summands from there, which its adjoint must add up.
 """
@@ -88,6 +94,8 @@ def _fold_into_scale(
     if copies == 1:
         boundary.replace_all_uses_with(value)  # type: ignore[arg-type]
         boundary.graph.erase_node(boundary)
+        if done:  # the outermost all-reduce, adjoint-free, is now the output: defer it
+            reduces[0].kwargs = {**reduces[0].kwargs, "deferred": True}
     else:
         boundary.args = (value, 1.0 / copies)
     return done

@@ -1,8 +1,10 @@
-"""The output boundary's all-reduce skips its adjoint (``runtime.output_boundary``).
+"""The output boundary's all-reduce skips its adjoint and is not waited for in forward
+(``runtime.output_boundary``, ``runtime.pending``).
 
 A data-parallel step with the loss inside the module runs, as DDP does, no collective in
 backward but the gradient buckets; the one scalar all-reduce left is the loss's in forward
-(every rank returns the global loss). Gradients are the single device's.
+(every rank returns the global loss), launched there and waited for only when the loss is
+read. Gradients are the single device's.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def _calls(graph: torch.fx.Graph) -> list[Any]:
 def test_output_all_reduce_skips_its_adjoint_and_the_scale_goes() -> None:
     lowered, reduce = _boundary_graph(("dp",), 0.25)
     assert skip_output_adjoints(lowered, (4,)) == 1
-    assert reduce.kwargs == {"adjoint": False}
+    # the output itself now: not waited for in forward
+    assert reduce.kwargs == {"adjoint": False, "deferred": True}
     assert _calls(lowered.graph) == ["all_reduce_dp"]  # no scale_grad: 4 * 1/4 = 1
 
 
@@ -75,13 +78,15 @@ def test_a_replicated_axis_without_all_reduce_keeps_its_scale() -> None:
     lowered = LoweredGraph(graph, (0, 0), collectives={"all_reduce_dp": ("all_reduce", 0)})
     assert skip_output_adjoints(lowered, (2, 2)) == 1
     assert boundary.args == (reduce, 0.5)
+    assert reduce.kwargs == {"adjoint": False}  # the scale reads it: waited for in forward
 
 
 def test_all_reduces_over_two_axes_both_skip() -> None:
     lowered, _ = _boundary_graph(("dp", "tp"), 1 / 6)
     assert skip_output_adjoints(lowered, (2, 3)) == 2
-    reduces = [n for n in lowered.graph.nodes if n.op == "call_module"]
-    assert [n.kwargs for n in reduces] == [{"adjoint": False}] * 2
+    inner, outer = (n for n in lowered.graph.nodes if n.op == "call_module")
+    assert inner.kwargs == {"adjoint": False}  # the outer one reads it
+    assert outer.kwargs == {"adjoint": False, "deferred": True}
     assert scale_grad not in _calls(lowered.graph)
 
 
@@ -109,9 +114,12 @@ def _dp_step(rank: int, world: int) -> dict[str, Any]:
     backward: Counter[str] = Counter()
     with counting(forward):
         loss = compiled(tokens, targets)
+    in_flight_after_forward = loss.in_flight
     with counting(backward):
         loss.backward()
     return {
+        "type": type(loss).__name__,
+        "in_flight": (in_flight_after_forward, loss.in_flight),
         "forward": dict(forward),
         "backward": dict(backward),
         "buckets": len(compiled._sync.buckets),
@@ -130,7 +138,7 @@ def dp_step() -> list[dict[str, Any]]:
 @pytest.mark.multirank
 def test_dp_step_all_reduces_the_loss_once(dp_step: list[dict[str, Any]]) -> None:
     for rank in dp_step:
-        assert "adjoint = False" in rank["code"]
+        assert "adjoint = False, deferred = True" in rank["code"]
         # forward: the loss (every rank returns the global loss, DDP its local one)
         assert rank["forward"] == {"all_reduce": 1}
         # backward: the gradient buckets only, as DDP (no all-reduce of the loss's gradient)
@@ -146,3 +154,14 @@ def test_dp_step_loss_and_gradients_equal_one_device(dp_step: list[dict[str, Any
             torch.testing.assert_close(
                 rank["grads"][name], ref, rtol=1e-4, atol=1e-6 * scale, msg=name
             )
+
+
+@pytest.mark.multirank
+def test_dp_step_does_not_wait_for_the_loss_before_reading_it(
+    dp_step: list[dict[str, Any]],
+) -> None:
+    """Forward and backward leave the loss's sum in flight (no rank waits for the others
+    there); reading the loss afterwards (``detach`` above) gave the global loss."""
+    for rank in dp_step:
+        assert rank["type"] == "PendingSum"
+        assert rank["in_flight"] == (True, True)
