@@ -12,10 +12,17 @@ loss inside the module trains with AdamW. Each strategy is set up twice on the s
 - ``tp``: ``autopar.compile(force="tp")``, with a hint banning batch splits on the tp axis
   (``force="tp"`` alone lets the solver also split the batch there), against DTensor tensor
   parallelism (``parallelize_module``: vocab-split embedding, column-split q/k/v/gate/up
-  and head, row-split o/down; norms replicated), every rank the whole batch.
+  and head, row-split o/down; norms replicated), every rank the whole batch;
+- ``zero1``: ``autopar.compile(force="dp", zero=1)`` (optimizer state sharded) against DDP
+  with ``ZeroRedundancyOptimizer`` (each rank steps the parameters it owns and broadcasts
+  them);
+- ``zero2``: ``autopar.compile(force="dp", zero=2)`` (gradients sharded too: reduce-scatter,
+  and an all-gather of the stepped pieces) against FSDP2 with ``reshard_after_forward=False``
+  (parameters gathered once per step, gradients reduce-scattered: ZeRO-2's traffic).
 
-All six run in one job, one step of each in turn (so load from other processes falls on all
-alike), after warm-up steps. A step is ``zero_grad``, forward with loss, backward,
+All ten run in one job, one step of each in turn (so load from other processes falls on all
+alike), after warm-up steps; every other round runs them in reverse order, so that no
+variant always follows the same one. A step is ``zero_grad``, forward with loss, backward,
 ``optimizer.step()``, timed from a barrier to the end on every rank; the step's time is the
 slowest rank's, and the figure the median over steps (the quartiles of the per-step ratios,
 steps paired in the order they ran, show the noise). Bytes are what rank 0 wrote to its
@@ -31,6 +38,7 @@ import copy
 import statistics
 import time
 import types
+from functools import partial
 from typing import Any
 
 import torch
@@ -45,14 +53,15 @@ from examples.models import build
 MODEL = dict(vocab_size=512, seq_len=128, n_layer=4, n_head=8, n_kv_head=4, d_model=256, d_ff=688)
 QUICK_MODEL = dict(vocab_size=64, seq_len=16, n_layer=2, n_head=4, n_kv_head=4, d_model=32, d_ff=64)
 BATCH = 8
-STRATEGIES = ("dp", "fsdp", "tp")
+LR = 1e-3
+STRATEGIES = ("dp", "fsdp", "tp", "zero1", "zero2")
 
 
 def config(quick: bool) -> dict[str, Any]:
     return {
         "model": dict(QUICK_MODEL if quick else MODEL),
         "batch": 4 if quick else BATCH,
-        "steps": 3 if quick else 20,
+        "steps": 3 if quick else 40,
         "warmup": 1 if quick else 3,
         "world_size": 4,
     }
@@ -78,11 +87,18 @@ def _wchar() -> int:
 class Variant:
     """One way to run the training step, and what was measured of it."""
 
-    def __init__(self, name: str, module: nn.Module, step_inputs: tuple, plan: Any = None):
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        step_inputs: tuple,
+        plan: Any = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ):
         self.name = name
         self.module = module
         self.inputs = step_inputs
-        self.optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        self.optimizer = optimizer or torch.optim.AdamW(module.parameters(), lr=LR)
         self.plan = plan
         self.times: list[float] = []
         self.bytes: list[int] = []
@@ -111,16 +127,28 @@ def _pytorch_dp(model: WithLoss, inputs: tuple, rank: int, world: int) -> Varian
     return Variant("torch DDP", DistributedDataParallel(model), local)
 
 
-def _pytorch_fsdp(model: WithLoss, inputs: tuple, rank: int, world: int) -> Variant:
+def _pytorch_fsdp(
+    model: WithLoss, inputs: tuple, rank: int, world: int, reshard: bool = True
+) -> Variant:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
     for block in model.model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     local = tuple(x.chunk(world)[rank] for x in inputs)
-    return Variant("torch FSDP2", model, local)
+    return Variant("torch FSDP2" if reshard else "torch FSDP2 (no reshard)", model, local)
+
+
+def _pytorch_zero1(model: WithLoss, inputs: tuple, rank: int, world: int) -> Variant:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+    local = tuple(x.chunk(world)[rank] for x in inputs)
+    return Variant("torch DDP + ZeroRedundancyOptimizer", ddp, local, optimizer=optimizer)
 
 
 def _pytorch_tp(model: WithLoss, inputs: tuple, rank: int, world: int) -> Variant:
@@ -182,13 +210,24 @@ def _local_attention_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.o_proj(y)
 
 
-BASELINES = {"dp": _pytorch_dp, "fsdp": _pytorch_fsdp, "tp": _pytorch_tp}
+BASELINES = {
+    "dp": _pytorch_dp,
+    "fsdp": _pytorch_fsdp,
+    "tp": _pytorch_tp,
+    "zero1": _pytorch_zero1,
+    "zero2": partial(_pytorch_fsdp, reshard=False),
+}
+ZERO = {"zero1": 1, "zero2": 2}
 
 
 def _autopar(model: WithLoss, inputs: tuple, style: str | None, world: int) -> Variant:
     axis = "tp" if style == "tp" else "dp"
     mesh = autopar.Mesh((world,), (axis,), device="cpu")
-    options: dict[str, Any] = {"force": style} if style else {}
+    options: dict[str, Any] = {}
+    if style in ZERO:
+        options.update(force="dp", zero=ZERO[style])
+    elif style:
+        options["force"] = style
     if style == "tp":  # force="tp" alone lets the batch split on the tp axis too (FSDP-like)
         options["hints"] = {"ban": {"tp": ["data_parallel"]}}
     compiled = autopar.compile(model, mesh, example_inputs=inputs, **options)
@@ -197,7 +236,7 @@ def _autopar(model: WithLoss, inputs: tuple, style: str | None, world: int) -> V
 
 def _run(variants: list[Variant], steps: int, warmup: int) -> None:
     for i in range(warmup + steps):
-        for variant in variants:
+        for variant in variants if i % 2 == 0 else reversed(variants):
             variant.step(record=i >= warmup)
 
 
@@ -271,7 +310,13 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 def _baseline_name(style: str) -> str:
-    return {"dp": "torch DDP", "fsdp": "torch FSDP2", "tp": "torch DTensor TP"}[style]
+    return {
+        "dp": "torch DDP",
+        "fsdp": "torch FSDP2",
+        "tp": "torch DTensor TP",
+        "zero1": "torch DDP + ZeroRedundancyOptimizer",
+        "zero2": "torch FSDP2 (no reshard)",
+    }[style]
 
 
 def _row(
