@@ -90,3 +90,26 @@ def test_a_stopped_quality_run_renders_the_cases_it_finished_marked_partial(tmp_
     section = text[text.index("## Plan quality") : text.index("## Recompute frontier")]
     assert "**Partial record**: the run was stopped after 1 of its cases" in section
     assert "| m | 1x8 | 8 |" in section
+
+
+def _h200_record(**step: float) -> dict:
+    from pathlib import Path
+
+    saved = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200"
+    gpu = json.loads((saved / "gpu.json").read_text())
+    gpu["step"].update(step)
+    return _record({"gpu": gpu, "check_nccl": "check", "files": ["gpu.json"]})
+
+
+def test_the_gpu_verdict_follows_the_figures():
+    """The H200 run's 1.079x is a miss; a run within 5% (alternating pairs, when recorded,
+    being the ratio judged) is met, and its memory note goes with the flag it recorded."""
+    assert "**Missed**: 1.079x" in render.gpu(_h200_record())
+    record = _h200_record(compiled_peak_bytes=64496448512.0)
+    gpu = record["data"]["gpu"]
+    gpu |= {"side_by_side": {"eager_s": 0.372, "compiled_s": 0.380, "ratio": 1.02}}
+    gpu |= {"fused_projection": True, "frees_given_model": True}
+    text = render.gpu(record)
+    assert "Met: 1.020x (peak memory 1.000x)" in text
+    assert "alternating pairs" in text
+    assert "not measured on a GPU yet" not in text
