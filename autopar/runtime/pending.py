@@ -10,9 +10,9 @@ Nothing in backward needs the loss's value: ``loss.backward()`` only makes a gra
 ones of its shape. So the output all-reduce is launched without waiting, and the module
 returns a ``PendingSum``: a tensor of the same shape and dtype whose value is the sum once
 the collective has completed. Any op that reads it (``item()``, ``detach()``, printing,
-arithmetic) waits first, so no reader can see a partial value; only the ``*_like``
-factories, which read the shape alone, do not wait. The usual loop (forward, backward,
-step, then read the loss) waits once, when the sum is long done.
+formatting, ``numpy()``, arithmetic) waits first, so no reader can see a partial value;
+only the ``*_like`` factories, which read the shape alone, do not wait. The usual loop
+(forward, backward, step, then read the loss) waits once, when the sum is long done.
 """
 
 from __future__ import annotations
@@ -72,8 +72,21 @@ class PendingSum(torch.Tensor):
 
         return func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
 
+    # reads that do not go through dispatch (Python-level methods of ``Tensor``)
     def __repr__(self) -> str:  # type: ignore[override]
         return repr(self.wait())
+
+    def __format__(self, spec: str) -> str:
+        return self.wait().__format__(spec)
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.wait().__array__(*args, **kwargs)
+
+    def numpy(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return self.wait().numpy(*args, **kwargs)
+
+    def tolist(self) -> Any:  # type: ignore[override]
+        return self.wait().tolist()
 
 
 class DeferredAllReduce(torch.autograd.Function):

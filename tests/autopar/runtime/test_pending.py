@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -36,8 +37,27 @@ def _pending(partial: float = 1.5, total: float = 6.0) -> tuple[PendingSum, _Wor
         lambda t: float(t + 0),
         lambda t: float(t.clone()),
         lambda t: float(repr(t).removeprefix("tensor(").removesuffix(")")),
+        lambda t: float(f"{t:.1f}"),
+        lambda t: float(t.numpy()),
+        lambda t: float(np.asarray(t)),
+        lambda t: t.tolist(),
+        lambda t: float(t.cpu()),
+        lambda t: float(torch.stack([t, t])[0]),
     ],
-    ids=["item", "detach", "mul", "add", "clone", "repr"],
+    ids=[
+        "item",
+        "detach",
+        "mul",
+        "add",
+        "clone",
+        "repr",
+        "format",
+        "numpy",
+        "asarray",
+        "tolist",
+        "cpu",
+        "stack",
+    ],
 )
 def test_every_read_gives_the_sum(read) -> None:
     pending, work = _pending()
