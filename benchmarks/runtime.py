@@ -27,7 +27,11 @@ variant always follows the same one. A step is ``zero_grad``, forward with loss,
 slowest rank's, and the figure the median over steps (the quartiles of the per-step ratios,
 steps paired in the order they ran, show the noise). Bytes are what rank 0 wrote to its
 sockets during the step (``wchar`` of ``/proc/self/io``: gloo sends over TCP with
-``writev``), next to the plan's own estimate of bytes sent per device.
+``writev``), next to the plan's own estimate of bytes sent per device. gloo has no
+reduce-scatter, so autopar runs an all-reduce there (``runtime.collectives``) and ZeRO
+sends more than its plan's estimate, which counts a ring reduce-scatter; the PyTorch
+baselines send as much (``ZeroRedundancyOptimizer`` all-reduces by design, and FSDP2's
+reduce-scatter on gloo measures the same bytes).
 
 On 1 rank: ``autopar.compile`` on a mesh of one against the eager module, same model.
 """
