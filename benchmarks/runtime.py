@@ -59,6 +59,14 @@ QUICK_MODEL = dict(vocab_size=64, seq_len=16, n_layer=2, n_head=4, n_kv_head=4, 
 BATCH = 8
 LR = 1e-3
 STRATEGIES = ("dp", "fsdp", "tp", "zero1", "zero2")
+# the PyTorch code each strategy is measured against
+BASELINE_NAMES = {
+    "dp": "torch DDP",
+    "fsdp": "torch FSDP2",
+    "tp": "torch DTensor TP",
+    "zero1": "torch DDP + ZeroRedundancyOptimizer",
+    "zero2": "torch FSDP2 (no reshard)",
+}
 
 
 def config(quick: bool) -> dict[str, Any]:
@@ -128,7 +136,7 @@ def _pytorch_dp(model: WithLoss, inputs: tuple, rank: int, world: int) -> Varian
     from torch.nn.parallel import DistributedDataParallel
 
     local = tuple(x.chunk(world)[rank] for x in inputs)
-    return Variant("torch DDP", DistributedDataParallel(model), local)
+    return Variant(BASELINE_NAMES["dp"], DistributedDataParallel(model), local)
 
 
 def _pytorch_fsdp(
@@ -142,7 +150,7 @@ def _pytorch_fsdp(
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     local = tuple(x.chunk(world)[rank] for x in inputs)
-    return Variant("torch FSDP2" if reshard else "torch FSDP2 (no reshard)", model, local)
+    return Variant(BASELINE_NAMES["fsdp" if reshard else "zero2"], model, local)
 
 
 def _pytorch_zero1(model: WithLoss, inputs: tuple, rank: int, world: int) -> Variant:
@@ -152,7 +160,7 @@ def _pytorch_zero1(model: WithLoss, inputs: tuple, rank: int, world: int) -> Var
     ddp = DistributedDataParallel(model)
     optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
     local = tuple(x.chunk(world)[rank] for x in inputs)
-    return Variant("torch DDP + ZeroRedundancyOptimizer", ddp, local, optimizer=optimizer)
+    return Variant(BASELINE_NAMES["zero1"], ddp, local, optimizer=optimizer)
 
 
 def _pytorch_tp(model: WithLoss, inputs: tuple, rank: int, world: int) -> Variant:
@@ -193,7 +201,7 @@ def _pytorch_tp(model: WithLoss, inputs: tuple, rank: int, world: int) -> Varian
         attn.n_kv_head //= world
         attn.forward = types.MethodType(_local_attention_forward, attn)
     del Shard  # the plan above names its layouts through the styles
-    return Variant("torch DTensor TP", model, inputs)
+    return Variant(BASELINE_NAMES["tp"], model, inputs)
 
 
 def _local_attention_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -306,21 +314,12 @@ def run(quick: bool = False) -> dict[str, Any]:
     rows = []
     four = combine(ranks)
     for style in STRATEGIES:
-        mine, theirs = four[f"autopar {style}"], four[_baseline_name(style)]
-        rows.append(_row(style, cfg["world_size"], mine, theirs, _baseline_name(style)))
+        baseline = BASELINE_NAMES[style]
+        mine, theirs = four[f"autopar {style}"], four[baseline]
+        rows.append(_row(style, cfg["world_size"], mine, theirs, baseline))
     one = combine(single)
     rows.append(_row("none", 1, one["autopar unforced"], one["eager"], "eager"))
     return {"config": cfg, "rows": rows, "seconds": time.perf_counter() - start}
-
-
-def _baseline_name(style: str) -> str:
-    return {
-        "dp": "torch DDP",
-        "fsdp": "torch FSDP2",
-        "tp": "torch DTensor TP",
-        "zero1": "torch DDP + ZeroRedundancyOptimizer",
-        "zero2": "torch FSDP2 (no reshard)",
-    }[style]
 
 
 def _row(

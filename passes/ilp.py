@@ -282,10 +282,9 @@ def solve_ilp(
     _, used = _run(model, time_limit, backend, give_up)
     elapsed = time.perf_counter() - start
     # (PuLP reports an interrupted solve as feasible even when it has no solution)
-    feasible = model.sol_status in (
-        pulp.LpSolutionOptimal,
-        pulp.LpSolutionIntegerFeasible,
-    ) and not (give_up is not None and give_up.fired)
+    gave_up = give_up is not None and give_up.fired
+    solved = model.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    feasible = solved and not gave_up
     timed_out = not feasible and model.status != pulp.LpStatusInfeasible
     choice: dict[str, int] = {}
     if feasible:
@@ -304,8 +303,8 @@ def solve_ilp(
     report = SolverReport(
         backend=used,
         status=(
-            f"gave up: no plan under the cutoff in {give_up.seconds:g} s"
-            if give_up is not None and give_up.fired
+            f"gave up: no plan under the cutoff in {GIVE_UP_FRACTION * time_limit:g} s"
+            if gave_up
             else _status_text(model)
         ),
         time_s=elapsed,

@@ -100,6 +100,16 @@ def start_reduce_scatter_rows(
     return work, lambda: out
 
 
+def unflatten(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    """Views of ``flat`` as tensors of ``shapes`` laid end to end (a bucket's members)."""
+    out, offset = [], 0
+    for shape in shapes:
+        numel = shape.numel()
+        out.append(flat[offset : offset + numel].view(shape))
+        offset += numel
+    return out
+
+
 def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     out = x.contiguous().clone()
     dist.all_reduce(out, group=group)

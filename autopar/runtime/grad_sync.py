@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.runtime.collectives import unflatten
+
 
 @dataclass
 class _Bucket:
@@ -100,15 +102,12 @@ class GradientSync:
             if bucket.flat is not None:
                 for group in bucket.groups[1:]:
                     dist.all_reduce(bucket.flat, group=group)
-                offset = 0
-                for param in bucket.params:
-                    numel = param.numel()
-                    synced = bucket.flat[offset : offset + numel].view_as(param)
+                sums = unflatten(bucket.flat, [param.shape for param in bucket.params])
+                for param, synced in zip(bucket.params, sums, strict=True):
                     if param.grad is None:
                         param.grad = synced.clone()
                     else:
                         param.grad.copy_(synced)
-                    offset += numel
             bucket.ready, bucket.handles, bucket.flat = 0, [], None
         self._queued = False
 

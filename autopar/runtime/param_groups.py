@@ -40,6 +40,7 @@ from autopar.runtime.collectives import (
     Group,
     all_gather_rows,
     reduce_scatter_rows,
+    unflatten,
 )
 from plans.errors import UsageError
 
@@ -97,6 +98,19 @@ def reduce_scatter_group(
     """The adjoint of ``gather_group``: each whole gradient's pieces summed over devices,
     this device's piece kept, in one collective (a missing gradient counts as zeros).
     The results are views of one flat buffer of the group's shard size."""
+    flat = reduce_scatter_rows(scatter_rows(grads, shapes, dims, group, like), group)
+    return unflatten(flat, [torch.Size(shape) for shape in shapes])
+
+
+def scatter_rows(
+    grads: Sequence[torch.Tensor | None],
+    shapes: Sequence[Shape],
+    dims: Sequence[int],
+    group: Group,
+    like: torch.Tensor,
+) -> torch.Tensor:
+    """The ``[n, numel]`` rows that ``reduce_scatter_group`` sums: row ``r`` holds every
+    gradient's ``r``-th piece along its dim (of ``shapes``), end to end."""
     n = dist.get_world_size(group)
     spans = _offsets(shapes)
     rows = torch.empty((n, spans[-1][1]), dtype=like.dtype, device=like.device)
@@ -106,10 +120,7 @@ def reduce_scatter_group(
             piece.zero_()
         else:
             piece.copy_(_pieces(grad, n, dim))
-    flat = reduce_scatter_rows(rows, group)
-    return [
-        flat[start:stop].view(shape) for shape, (start, stop) in zip(shapes, spans, strict=True)
-    ]
+    return rows
 
 
 class _GatherGroup(torch.autograd.Function):

@@ -36,11 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.runtime.collectives import (
-    all_gather_rows,
-    reduce_scatter_rows,
-    start_reduce_scatter_rows,
-)
+from autopar.runtime.collectives import start_reduce_scatter_rows, unflatten
+from autopar.runtime.param_groups import gather_group, reduce_scatter_group, scatter_rows
 from plans.placement import Layout, Replicate, Shard
 
 
@@ -114,13 +111,14 @@ class _Bucket:
         """Launch the first collective of the sum over the first ZeRO axis, not waiting;
         a bucket also replicated on other axes is summed whole in ``finish``."""
         first = self.first
-        ready = [p for p in self.params if p.working.grad is not None]
+        ready, grads = self._ready()
         if first.other_groups or not ready:
             return
-        grads = [g for p in ready if (g := p.working.grad) is not None]
         group = first.zero_groups[0]
         if first.shard_gradient:
-            rows, shapes = _piece_rows(grads, [p.dims[0] for p in ready], group)
+            dims = [p.dims[0] for p in ready]
+            shapes = _piece_shapes(grads, dims, group)
+            rows = scatter_rows(grads, shapes, dims, group, grads[0])
             work, result = start_reduce_scatter_rows(rows, group)
             self.started = _Started(ready, work, result, shapes)
         else:
@@ -135,10 +133,9 @@ class _Bucket:
         if started is not None:
             started.work.wait()
             ready = started.params
-            grads = self._sum(ready, _split(started.result(), started.shapes), done=1)
+            grads = self._sum(ready, unflatten(started.result(), started.shapes), done=1)
         else:
-            ready = [p for p in self.params if p.working.grad is not None]
-            grads = [g for p in ready if (g := p.working.grad) is not None]
+            ready, grads = self._ready()
             if not ready:
                 return
             for group in self.first.other_groups:
@@ -151,6 +148,11 @@ class _Bucket:
                 p.master.grad += grad
             p.working.grad = None
 
+    def _ready(self) -> tuple[list[ZeroParam], list[torch.Tensor]]:
+        """The parameters whose working gradient backward made, and those gradients."""
+        ready = [p for p in self.params if p.working.grad is not None]
+        return ready, [p.working.grad for p in ready]  # type: ignore[misc]
+
     def _sum(
         self, ready: list[ZeroParam], grads: list[torch.Tensor], done: int
     ) -> list[torch.Tensor]:
@@ -159,8 +161,9 @@ class _Bucket:
         first = self.first
         if first.shard_gradient:
             for step in range(done, len(first.zero_groups)):
-                dims = [p.dims[step] for p in ready]
-                grads = _reduce_scatter_each(grads, dims, first.zero_groups[step])
+                dims, group = [p.dims[step] for p in ready], first.zero_groups[step]
+                shapes = _piece_shapes(grads, dims, group)
+                grads = reduce_scatter_group(grads, shapes, dims, group, grads[0])
             return grads
         for group in first.zero_groups[done:]:
             grads = _all_reduce_each(grads, group)
@@ -210,27 +213,20 @@ def _all_reduce_each(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> l
     """Each tensor summed over ``group``, in one all-reduce of them laid end to end."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, group=group)
-    return _split(flat, [t.shape for t in tensors])
+    return unflatten(flat, [t.shape for t in tensors])
 
 
-def _reduce_scatter_each(
+def _piece_shapes(
     tensors: list[torch.Tensor], dims: list[int], group: dist.ProcessGroup
-) -> list[torch.Tensor]:
-    """Each tensor summed over ``group``, this device keeping its piece along its dim (as
-    ``reduce_scatter`` per tensor), in one collective."""
-    rows, shapes = _piece_rows(tensors, dims, group)
-    return _split(reduce_scatter_rows(rows, group), shapes)
-
-
-def _piece_rows(
-    tensors: list[torch.Tensor], dims: list[int], group: dist.ProcessGroup
-) -> tuple[torch.Tensor, list[torch.Size]]:
-    """The ``[n, numel]`` rows of ``reduce_scatter_rows`` (row ``r``: each tensor's ``r``-th
-    piece along its dim, end to end), and the shapes of this device's pieces."""
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    pieces = [t.chunk(n, d) for t, d in zip(tensors, dims, strict=True)]
-    rows = torch.stack([torch.cat([p[r].reshape(-1) for p in pieces]) for r in range(n)])
-    return rows, [p[rank].shape for p in pieces]
+) -> list[torch.Size]:
+    """The shape of this device's piece of each tensor, split along its dim over ``group``."""
+    n = dist.get_world_size(group)
+    shapes = []
+    for t, dim in zip(tensors, dims, strict=True):
+        shape = list(t.shape)
+        shape[dim] //= n
+        shapes.append(torch.Size(shape))
+    return shapes
 
 
 def _gather_back(params: list[ZeroParam], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -239,33 +235,8 @@ def _gather_back(params: list[ZeroParam], pieces: list[torch.Tensor]) -> list[to
     values = pieces
     for step in reversed(range(len(params[0].zero_groups))):
         dims = [p.dims[step] for p in params]
-        values = _all_gather_each(values, dims, params[0].zero_groups[step])
+        values = gather_group(values, dims, params[0].zero_groups[step])
     return values
-
-
-def _all_gather_each(
-    tensors: list[torch.Tensor], dims: list[int], group: dist.ProcessGroup
-) -> list[torch.Tensor]:
-    """Each tensor's pieces from every device of ``group`` joined along its dim (as
-    ``all_gather`` per tensor), in one collective."""
-    rows = all_gather_rows(torch.cat([t.reshape(-1) for t in tensors]), group)
-    n = rows.shape[0]
-    out, offset = [], 0
-    for t, dim in zip(tensors, dims, strict=True):
-        numel = t.numel()
-        pieces = [rows[r, offset : offset + numel].view(t.shape) for r in range(n)]
-        out.append(torch.cat(pieces, dim=dim))
-        offset += numel
-    return out
-
-
-def _split(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for shape in shapes:
-        numel = shape.numel()
-        out.append(flat[offset : offset + numel].view(shape))
-        offset += numel
-    return out
 
 
 class ZeroShards:
