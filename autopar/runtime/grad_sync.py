@@ -8,8 +8,11 @@ As DDP does, parameters are grouped into buckets of about ``bucket_bytes`` in re
 of registration (the order backward produces their gradients); when the last gradient of a
 bucket is accumulated (``register_post_accumulate_grad_hook``), the bucket's flattened
 gradient is all-reduced asynchronously while backward goes on. A callback queued on the
-autograd engine waits for every bucket and copies the sums back before ``backward``
-returns, so the optimizer sees synchronised gradients. As DDP's, the first bucket (the last
+autograd engine waits for every bucket before ``backward`` returns, so the optimizer sees
+synchronised gradients. Each gradient then *is* its slice of the summed bucket (a view, as
+DDP's ``gradient_as_bucket_view``): nothing is copied back, one pass over every gradient
+per step less than copying (DDP's default). A bucket holds one dtype, so that the views
+have their parameters' dtype. As DDP's, the first bucket (the last
 layers' gradients, ready first) is small, ``first_bucket_bytes`` (1 MiB, DDP's default), so
 that communication starts early in backward instead of after a whole 25 MiB of it.
 """
@@ -46,12 +49,12 @@ class GradientSync:
         first_bucket_bytes: int = 2**20,
     ) -> None:
         self.buckets: list[_Bucket] = []
-        by_groups: dict[tuple[int, ...], list[nn.Parameter]] = {}
-        groups_of: dict[tuple[int, ...], tuple[dist.ProcessGroup, ...]] = {}
+        by_groups: dict[tuple[Any, ...], list[nn.Parameter]] = {}
+        groups_of: dict[tuple[Any, ...], tuple[dist.ProcessGroup, ...]] = {}
         for param, groups in reversed(list(params)):
             if not groups:
                 continue
-            key = tuple(id(g) for g in groups)
+            key = (*(id(g) for g in groups), param.dtype, param.device)
             by_groups.setdefault(key, []).append(param)
             groups_of[key] = groups
         for key, members in by_groups.items():
@@ -104,10 +107,7 @@ class GradientSync:
                     dist.all_reduce(bucket.flat, group=group)
                 sums = unflatten(bucket.flat, [param.shape for param in bucket.params])
                 for param, synced in zip(bucket.params, sums, strict=True):
-                    if param.grad is None:
-                        param.grad = synced.clone()
-                    else:
-                        param.grad.copy_(synced)
+                    param.grad = synced
             bucket.ready, bucket.handles, bucket.flat = 0, [], None
         self._queued = False
 
