@@ -135,7 +135,10 @@ def measure(name: str, args: argparse.Namespace, stash: dict[str, Any]) -> Any:
             for stored in ("quality.partial.json", "quality.json"):
                 path = args.results / stored
                 if path.exists():
-                    cases = json.loads(path.read_text())["data"]["cases"]
+                    stored_record = json.loads(path.read_text())
+                    cases = stored_record["data"]["cases"]
+                    for case in cases:  # kept as measured: say where (older cases do not)
+                        case.setdefault("commit", stored_record["machine"].get("commit", "?"))
                     done = {f"{c['model']}@{c['devices']}": c for c in cases}
                     break
         data = quality.run(

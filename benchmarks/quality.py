@@ -12,6 +12,12 @@ autopar plans whose layouts are forced (``benchmarks.common.plan_traced``):
   residual stream replicated: Megatron's column and row splits) with a hint banning batch
   and sequence splits on the tp axis (``force="tp"`` alone allows them), data parallelism
   across nodes with the distributed optimizer (ZeRO-1), no pipeline.
+- **GShard EP (node) x DP**, for a mixture-of-experts model: ``force="ep"`` on the
+  cluster mesh, the experts split over a node's 8 devices (one expert per GPU for Mixtral's
+  8) and replicated across nodes, every other matmul data-parallel over all devices, tokens
+  to their experts and back by all-to-all inside the node (GShard, Lepikhin et al. 2020;
+  DeepSpeed-MoE's and Megatron's expert parallelism), the distributed optimizer (ZeRO-1),
+  no pipeline.
 - **Megatron 3-D, best of a grid**: tp in {1, 2, 4, 8} inside a node (with sequence
   parallelism where tp > 1), pp over powers of two (stopping once more stages stop
   helping), dp the rest, ZeRO-1; one sequence per data-parallel rank per microbatch, so
@@ -51,9 +57,11 @@ from benchmarks.common import (
     MODELS,
     PRESET,
     cluster,
+    machine,
     plan_traced,
     trace_with_loss,
 )
+from examples.models.presets import PRESETS
 from passes.trace import TracedModel
 from plans.errors import AutoparError, InfeasiblePlanError
 from plans.plan import Plan
@@ -65,6 +73,7 @@ DEFAULT_CASES = (
     ("llama3-8b", 64),
     ("llama3-70b", 512),
     ("gpt3-175b", 1024),
+    ("mixtral-8x7b", 64),
 )
 QUICK_CASES = (("gpt-tiny", 8),)
 # global batch in sequences: tokens per step as the models' papers (GPT-3 Table 2.1,
@@ -80,6 +89,18 @@ GLOBAL_BATCH = {
     "llama3-70b": 512,
     "mixtral-8x7b": 1024,
 }
+# the trace's config beyond the preset: Mixtral routed in GShard groups of 1024 tokens, as
+# the mixture-of-experts section plans it (the preset's default is a group per sequence)
+TRACE_OVERRIDES: dict[str, dict[str, Any]] = {"mixtral-8x7b": {"group_size": 1024}}
+# (record key, column, short name): the baselines, in the tables' order; a model that is
+# not a mixture of experts has no EP x DP entry
+BASELINES = (
+    ("ddp", "DDP", "DDP"),
+    ("fsdp", "FSDP (ZeRO-3)", "FSDP"),
+    ("tp_dp", "Megatron TP (node) x DP", "TP x DP"),
+    ("ep_dp", "GShard EP (node) x DP", "EP x DP"),
+    ("megatron", "Megatron 3-D (best of grid)", "Megatron 3-D"),
+)
 TP_SIZES = (1, 2, 4, 8)
 GPUS_PER_NODE = 8
 KEEP_TRACES = 6
@@ -102,7 +123,9 @@ class Traces:
         if batch not in self.cache:
             if len(self.cache) >= KEEP_TRACES:  # each holds a graph's metadata (~1 GB at most)
                 self.cache.pop(next(iter(self.cache)))
-            traced, seconds = trace_with_loss(self.model, batch)
+            traced, seconds = trace_with_loss(
+                self.model, batch, **TRACE_OVERRIDES.get(self.model, {})
+            )
             self.cache[batch] = traced
             self.seconds += seconds
         return self.cache[batch]
@@ -137,6 +160,7 @@ def summarize(
         "tp": p.tp,
         "pp": p.pp,
         "sp": p.sp,
+        "ep": p.ep,
         "zero": p.zero,
         "schedule": p.schedule,
         "chunks": p.chunks,
@@ -286,6 +310,10 @@ def run_case(model: str, devices: int) -> dict[str, Any]:
                 zero=1,
             )
         )
+    if is_moe(model):
+        case["ep_dp"] = _try(
+            lambda: plan_traced(traced, mesh, **common, force="ep", stages=1, zero=1)
+        )
     grid = megatron_grid(traces, devices, batch, layers, params)
     case["megatron_grid"] = grid
     fitting = [r for r in grid if r.get("status") == "ok"]  # invalid plans never count
@@ -296,16 +324,18 @@ def run_case(model: str, devices: int) -> dict[str, Any]:
     case["trace_s"] = traces.seconds
     case["seconds"] = time.perf_counter() - start
     case["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    case["commit"] = machine()["commit"]
     return case
+
+
+def is_moe(model: str) -> bool:
+    """Whether the preset is a mixture of experts (its config names experts)."""
+    return "n_experts" in PRESETS[model].config
 
 
 def best_baseline(case: dict[str, Any]) -> dict[str, Any] | None:
     """The fastest baseline of ``case`` that fits (``invalid`` plans never count)."""
-    fitting = [
-        case[key]
-        for key in ("ddp", "fsdp", "tp_dp", "megatron")
-        if case.get(key, {}).get("status") == "ok"
-    ]
+    fitting = [case[key] for key, _, _ in BASELINES if case.get(key, {}).get("status") == "ok"]
     return min(fitting, key=lambda e: e["step_s"]) if fitting else None
 
 

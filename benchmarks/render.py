@@ -227,6 +227,8 @@ def _config(entry: dict[str, Any]) -> str:
     text += f"dp {entry['dp']} tp {entry['tp']} pp {entry['pp']}"
     if entry["sp"] > 1:
         text += f" sp {entry['sp']}"
+    if entry.get("ep", 1) > 1:
+        text += f" ep {entry['ep']}"
     if entry["zero"]:
         text += f" zero {entry['zero']}"
     if entry["pp"] > 1:
@@ -260,25 +262,18 @@ def _cell(entry: dict[str, Any] | None, autopar: dict[str, Any]) -> str:
     return f"{_time(entry['step_s'])}, {100 * entry['mfu']:.1f}%{ratio}"
 
 
-BASELINES = (
-    ("ddp", "DDP"),
-    ("fsdp", "FSDP (ZeRO-3)"),
-    ("tp_dp", "Megatron TP (node) x DP"),
-    ("megatron", "Megatron 3-D (best of grid)"),
-)
-
-
 def quality(record: dict[str, Any] | None) -> str:
     lines = ["## Plan quality against hand-written parallelism", ""]
     if record is None:
         return "\n".join([*lines, _missing("quality")])
     from benchmarks import quality as module
 
+    baselines = [(key, label) for key, label, _ in module.BASELINES]
     cases = record["data"]["cases"]
     losses = []
     for case in cases:
         a = case["autopar"]
-        for key, label in BASELINES:
+        for key, label in baselines:
             b = case.get(key)
             if a.get("status") == "ok" and b and b.get("status") == "ok":
                 if a["step_s"] > b["step_s"] * (1 + 1e-9):
@@ -311,19 +306,21 @@ def quality(record: dict[str, Any] | None) -> str:
         *stopped,
         _provenance(record),
         "",
+        *_resumed(cases, record),
         _body(module.__doc__),
         "",
         "Each cell: estimated step time, MFU, and autopar's step time divided by that",
         "baseline's (below 1: autopar faster; the MFU ratio is its inverse, the FLOPs per step",
         "being the same). `does not fit`: no plan of that layout fits 80 GiB per device.",
+        "`-`: no such baseline for that model (expert parallelism needs experts).",
         "`invalid`: the planner returned a plan whose memory estimate adds",
         "up only with negative activation memory (recomputation's savings counted beyond the",
         "activations; reported as a bug): it does not fit, and is never counted as a winner.",
         "",
         "| model | mesh | global batch | autopar | autopar planning (s, CPU s) "
-        + "".join(f"| {label} " for _, label in BASELINES)
+        + "".join(f"| {label} " for _, label in baselines)
         + "|",
-        "|---|---|---:|---|---:" + "|---" * len(BASELINES) + "|",
+        "|---|---|---:|---|---:" + "|---" * len(baselines) + "|",
     ]
     for case in cases:
         a = case["autopar"]
@@ -337,15 +334,19 @@ def quality(record: dict[str, Any] | None) -> str:
         lines.append(
             f"| {case['model']} | {case['mesh']} | {case['global_batch']} | {auto} "
             f"| {_secs(a['plan_s'])}, {_secs(a.get('plan_cpu_s'))} "
-            + "".join(f"| {_cell(case.get(key), a)} " for key, _ in BASELINES)
+            + "".join(f"| {_cell(case.get(key), a)} " for key, _ in baselines)
             + "|"
         )
     lines += ["", "Configurations chosen:", ""]
-    lines += ["| model | mesh | autopar | DDP | FSDP | TP x DP | Megatron 3-D |", "|---" * 7 + "|"]
+    shorts = [short for _, _, short in module.BASELINES]
+    lines += [
+        "| model | mesh | autopar " + "".join(f"| {short} " for short in shorts) + "|",
+        "|---" * (3 + len(shorts)) + "|",
+    ]
     for case in cases:
         lines.append(
             f"| {case['model']} | {case['mesh']} | {_config(case['autopar'])} "
-            + "".join(f"| {_config(case.get(key) or {})} " for key, _ in BASELINES)
+            + "".join(f"| {_config(case.get(key) or {})} " for key, _ in baselines)
             + "|"
         )
     if losses:
@@ -354,7 +355,7 @@ def quality(record: dict[str, Any] | None) -> str:
             worst[id(case)] = label
         lines += ["", "Where autopar loses:", ""]
         for case, label, ratio in losses:
-            key = next(k for k, name in BASELINES if name == label)
+            key = next(k for k, name in baselines if name == label)
             lines.append(
                 f"- {case['model']} on {case['mesh']}: autopar "
                 f"{_cell(case['autopar'], {})} ({_config(case['autopar'])}) against {label} "
@@ -390,6 +391,20 @@ def quality(record: dict[str, Any] | None) -> str:
             tried.append(f"tp {r['tp']} pp {r['pp_tried']}: {what}")
         lines.append(f"- {case['model']} on {case['mesh']}: " + "; ".join(tried))
     return "\n".join(lines)
+
+
+def _resumed(cases: list[dict[str, Any]], record: dict[str, Any]) -> list[str]:
+    """A line naming the cases a ``--resume`` run kept from earlier runs, with when and at
+    which commit each was measured (the command above measured the others)."""
+    commit = record["machine"].get("commit")
+    kept = [c for c in cases if c.get("commit", commit) != commit]
+    if not kept:
+        return []
+    where = "; ".join(
+        f"{c['model']} on {c['mesh']} (run {c.get('date', '?')}, commit {c['commit']})"
+        for c in kept
+    )
+    return [f"Kept from earlier runs of the same command (`--resume`): {where}.", ""]
 
 
 def frontier(record: dict[str, Any] | None) -> str:

@@ -113,3 +113,29 @@ def test_the_gpu_verdict_follows_the_figures():
     assert "Met: 1.020x (peak memory 1.000x)" in text
     assert "alternating pairs" in text
     assert "not measured on a GPU yet" not in text
+
+
+def test_a_mixture_of_experts_case_shows_its_expert_parallel_baseline_and_kept_cases_say_when():
+    """The EP x DP column holds the forced expert-parallel plan (``ep 8`` in its layout),
+    a dense model's cell is ``-``; a case a ``--resume`` run kept names its own run."""
+    entry = {
+        "status": "ok", "step_s": 1.0, "mfu": 0.5, "plan_s": 1.0, "dp": 64, "tp": 1, "pp": 1,
+        "sp": 1, "zero": 3, "schedule": "none", "chunks": 1, "microbatches": 16,
+        "microbatch": 64, "recompute": [], "ep": 8,
+    }  # fmt: skip
+    moe = {
+        "model": "moe", "devices": 64, "mesh": "8x8", "global_batch": 1024, "autopar": entry,
+        "ep_dp": dict(entry, step_s=1.25, mfu=0.4, zero=1), "megatron_grid": [],
+        "commit": "new",
+    }  # fmt: skip
+    dense = dict(moe, model="dense", ep_dp=None, commit="old", date="yesterday")
+    record = _record({"cases": [moe, dense]})
+    record["machine"]["commit"] = "new"
+    text = render.quality(record)
+    row = next(line for line in text.splitlines() if line.startswith("| moe | 8x8 | 1024 |"))
+    assert "1.25 s, 40.0% (autopar/this 0.800)" in row
+    assert "dp 64 tp 1 pp 1 ep 8 zero 1, 16 x 64" in text
+    dense_row = next(line for line in text.splitlines() if line.startswith("| dense | 8x8 |"))
+    assert "| - |" in dense_row
+    assert "`--resume`): dense on 8x8 (run yesterday, commit old)." in text
+    assert "moe on 8x8 (run" not in text
