@@ -16,8 +16,9 @@ autopar plans whose layouts are forced (``benchmarks.common.plan_traced``):
   cluster mesh, the experts split over a node's 8 devices (one expert per GPU for Mixtral's
   8) and replicated across nodes, every other matmul data-parallel over all devices, tokens
   to their experts and back by all-to-all inside the node (GShard, Lepikhin et al. 2020;
-  DeepSpeed-MoE's and Megatron's expert parallelism), the distributed optimizer (ZeRO-1),
-  no pipeline.
+  DeepSpeed-MoE's and Megatron's expert parallelism), ZeRO stage 0, 1 or 2, whichever is
+  fastest (DeepSpeed-MoE runs expert parallelism with ZeRO-2, Megatron with its
+  distributed optimizer, ZeRO-1), no pipeline.
 - **Megatron 3-D, best of a grid**: tp in {1, 2, 4, 8} inside a node (with sequence
   parallelism where tp > 1), pp over powers of two (stopping once more stages stop
   helping), dp the rest, ZeRO-1; one sequence per data-parallel rank per microbatch, so
@@ -312,7 +313,7 @@ def run_case(model: str, devices: int) -> dict[str, Any]:
         )
     if is_moe(model):
         case["ep_dp"] = _try(
-            lambda: plan_traced(traced, mesh, **common, force="ep", stages=1, zero=1)
+            lambda: plan_traced(traced, mesh, **common, force="ep", stages=1)
         )
     grid = megatron_grid(traces, devices, batch, layers, params)
     case["megatron_grid"] = grid
