@@ -282,6 +282,8 @@ def _solve(
         fastest = run(build(levels[0], None))
         if fastest is None and request.work_cutoff is not None:
             raise NothingFaster
+        if fastest is None:  # no plan even with memory set aside: none within a limit either
+            raise no_plan_error()
         if fastest is not None and (
             request.memory_limit is None or fastest.memory() <= request.memory_limit
         ):
@@ -376,6 +378,13 @@ def allowed_choices(decisions: Decisions, constraints: list[Constraint]) -> dict
     return allowed
 
 
+def no_plan_error() -> InfeasiblePlanError:
+    """No choice satisfies the constraints, whatever the memory."""
+    return InfeasiblePlanError(
+        "the constraints (forced strategies or hints) allow no plan at all; relax them"
+    )
+
+
 def infeasible_error(parts: ProblemParts, request: SolveRequest) -> InfeasiblePlanError:
     """The minimum memory per device any allowed plan needs, what dominates it, what helps."""
     problem = parts.problem
@@ -394,9 +403,7 @@ def infeasible_error(parts: ProblemParts, request: SolveRequest) -> InfeasiblePl
     minimum = IlpProblem(choices=problem.choices, cost=cost, allowed=problem.allowed)
     solution = solve_ilp(minimum, request.time_limit)
     if not solution.feasible:
-        return InfeasiblePlanError(
-            "the constraints (forced strategies or hints) allow no plan at all; relax them"
-        )
+        return no_plan_error()
     terms = {"parameters": 0.0, "gradients": 0.0, "optimizer states": 0.0, "activations": 0.0}
     for name, k in solution.choice.items():
         params, grads, optimizer = parts.model_states[name][k]

@@ -10,6 +10,7 @@ from cost_model.hardware import load_preset
 from examples.models import build, mlp
 from passes.from_plan import PlanLayouts
 from passes.lower_spmd import lower_spmd
+from passes.solve import SolveRequest, solve_sharding
 from passes.trace import trace
 from plans import InfeasiblePlanError, Replicate, Shard
 
@@ -144,3 +145,20 @@ def test_no_plan_within_the_time_limit_says_to_allow_more_time(monkeypatch):
     model, inputs = build("mlp-tiny")
     with pytest.raises(InfeasiblePlanError, match="time limit of 5 s"):
         autopar.plan(model, autopar.Mesh((2,), device="cpu"), inputs, time_limit=5)
+
+
+def test_constraints_that_allow_no_plan_say_so_with_or_without_a_memory_limit():
+    """A constraint no strategy of some op meets: the solve without a memory limit (the
+    pipeline search's first) finds nothing, and says so, rather than going on to the
+    memory-limited solves as if the plan had only been too large."""
+    model, inputs = build("mlp-tiny", batch_size=8)
+    traced = trace(model, inputs)
+    mesh = autopar.Mesh((4,), ("dp",), device="h100-sxm")
+
+    def nothing_for_the_first_matmul(mesh):
+        return [lambda node, choices, strategy: node != "linear"]
+
+    for memory_limit in (None, 80 * 2.0**30):
+        request = SolveRequest(mesh, memory_limit, constraints=nothing_for_the_first_matmul)
+        with pytest.raises(InfeasiblePlanError, match="allow no plan at all"):
+            solve_sharding(traced, request)
