@@ -7,12 +7,15 @@ tensor-parallel one (by default the last axis is ``tp`` and the others ``dp``).
 
 - ``dp``: every parameter replicated; every matmul takes its activation batch-sharded over
   every axis (plain data parallelism), and the other operand replicated (a weight) or
-  batch-sharded too (a batched matmul of two activations, as in attention).
+  batch-sharded too (a batched matmul of two activations, as in attention). In an einsum
+  the batch is the letter its activations and output share and no weight has
+  (``batch_dims``: GShard's group, in a mixture of experts).
 - ``fsdp``: every parameter that can be sharded is stored sharded on the data axes (ZeRO-3)
   and matmuls take the batch sharded on them.
 - ``tp``: matmul weights sharded on the tp axis (Megatron's column and row splits; which one
   is up to the solver), replicated on the data axes; the batch sharded on the data axes;
   the residual stream (adds of two [batch, sequence, hidden] tensors) replicated on tp.
+  Expert weights are split inside each expert, never on the expert dim (that is ``ep``).
 - ``tp+sp``: as ``tp``, but the residual stream (3-d adds) sharded on the sequence dim over
   the tp axis (Megatron's sequence parallelism).
 - ``ep``: expert parallelism on the last axis (GShard, Switch): every expert matmul
@@ -50,9 +53,11 @@ def style_constraints(style: str, mesh: MeshSpec, tp_axis: int | None = None) ->
     tp = (mesh.ndim - 1 if tp_axis is None else tp_axis) if style.startswith("tp") else None
     dp_axes = [a for a in axes if a != tp]
 
-    def batch_sharded(strategy: Strategy, act: int) -> bool:
-        first = strategy.inputs[act]
-        return all(isinstance(first[a], Shard) and first[a].dim == 0 for a in dp_axes)
+    def batch_sharded(strategy: Strategy, operand: int, batch: list[int | None]) -> bool:
+        layout, dim = strategy.inputs[operand], batch[operand]
+        return dim is not None and all(
+            isinstance(layout[a], Shard) and layout[a].dim == dim for a in dp_axes
+        )
 
     def rule(node: str, choices: NodeChoices, strategy: Strategy) -> bool:
         note = choices.note
@@ -72,19 +77,26 @@ def style_constraints(style: str, mesh: MeshSpec, tp_axis: int | None = None) ->
             return True
         if note.op in MATMULS and strategy.inputs:
             act = 1 if note.op in ADDED_FIRST else 0  # addmm: (bias, activation, weight)
-            if not batch_sharded(strategy, act):
+            batch = batch_dims(choices)
+            if not batch_sharded(strategy, act, batch):
                 return False
             if style in ("dp", "fsdp"):
                 # a weight replicated; the other operand of a batched matmul of two
                 # activations (attention's q k^T, probs v) batch-sharded like the first,
                 # which only a batch dim of the contraction can be
                 weight_ok = all(
-                    isinstance(strategy.inputs[i][a], Replicate) or batch_sharded(strategy, i)
+                    isinstance(strategy.inputs[i][a], Replicate)
+                    or batch_sharded(strategy, i, batch)
                     for i in range(len(strategy.inputs))
                     if i != act
                     for a in dp_axes
                 )
                 return weight_ok and all(isinstance(strategy.inputs[act][a], Shard) for a in axes)
+            experts = expert_matmul(choices)
+            if tp is not None and experts is not None:
+                # tensor parallelism inside every expert; splitting the experts is ``ep``
+                split = strategy.inputs[experts.weight][tp]
+                return isinstance(split, Shard) and split.dim != experts.weight_dim
             return True
         if tp is not None and is_residual_add(choices):
             out = strategy.outputs[0][tp]
@@ -94,6 +106,39 @@ def style_constraints(style: str, mesh: MeshSpec, tp_axis: int | None = None) ->
         return True
 
     return [rule]
+
+
+def batch_dims(choices: NodeChoices) -> list[int | None]:
+    """Per tensor input of a matmul, the dim that carries the batch (None: it has none).
+
+    Dim 0, except in an einsum, whose operands order their letters as they please: there
+    the batch is the first letter of the first operand that every activation operand and
+    the output have and no parameter has. In a GShard layer that is the group ``g``, dim 1
+    of the experts' tokens in ``egcd,edf->egcf`` (``e`` is in the weight) and of their
+    outputs in ``gsec,egcd->gsd``.
+    """
+    call = choices.call
+    count = len(choices.params)
+    if call is None or str(call.target) != "aten.einsum.default":
+        return [0] * count
+    equation = str(call.args[0]).replace(" ", "")
+    if "->" not in equation or "..." in equation:
+        return [0] * count
+    left, output = equation.split("->")
+    operands = left.split(",")
+    if len(operands) != count:
+        return [0] * count
+    activations = [op for op, param in zip(operands, choices.params, strict=True) if param is None]
+    weights = "".join(op for op, param in zip(operands, choices.params, strict=True) if param)
+    letter = next(
+        (
+            x
+            for x in (activations or operands)[0]
+            if x in output and x not in weights and all(x in op for op in activations)
+        ),
+        None,
+    )
+    return [None if letter is None or letter not in op else op.index(letter) for op in operands]
 
 
 def _can_shard(choices: NodeChoices, mesh: MeshSpec, dp_axes: list[int]) -> bool:

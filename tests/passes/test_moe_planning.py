@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autopar
+from autopar import force
 from autopar.testing.simulate import first_mismatch
 from cost_model.collectives import MeshCost
 from cost_model.hardware import load_preset
@@ -99,6 +100,46 @@ def test_expert_matmuls_are_the_ones_with_a_stacked_weight() -> None:
     # the dispatch and combine einsums have the same subscript pattern but no parameter
     assert set(found) == {f"layers.0.moe.experts.w_{w}" for w in ("gate", "up", "down")}
     assert all((m.weight, m.weight_dim, m.tokens_dim) == (1, 0, 0) for m in found.values())
+
+
+def test_the_batch_of_a_gshard_einsum_is_its_group_letter() -> None:
+    """What forced data parallelism splits in each einsum: the group ``g``, wherever the
+    operand has it; the expert weight has no batch (it is replicated or gathered)."""
+    model, inputs = build("moe-tiny", n_layer=1)
+    traced = trace(model, inputs)
+    choices, _ = graph.graph_choices(traced.graph, (2,))
+    dims = {
+        str(c.call.args[0]): force.batch_dims(c)
+        for c in choices.values()
+        if c.call is not None and str(c.call.target) == "aten.einsum.default"
+    }
+    assert dims["gsec,gsd->egcd"] == [0, 0]
+    assert dims["egcd,edf->egcf"] == [1, None]
+    assert dims["egcf,efd->egcd"] == [1, None]
+    assert dims["gsec,egcd->gsd"] == [0, 1]
+
+
+@pytest.mark.parametrize("style", ["dp", "fsdp", "tp"])
+def test_dense_styles_plan_a_mixture_of_experts_without_splitting_the_experts(style: str):
+    """DDP, FSDP and Megatron TP of a mixture of experts (the plan-quality baselines): every
+    device runs every expert (ep 1) on its groups of tokens; FSDP stores the expert weights
+    sharded, Megatron splits them inside each expert on the tp axis, never on the expert
+    dim."""
+    model, inputs = build("moe-tiny", batch_size=8, device="meta")
+    mesh = autopar.Mesh((2, 4), ("dp", "tp"), device="h100-sxm")
+    plan = autopar.plan(model, mesh, inputs, force=style)
+    assert plan.parallelism.ep == 1
+    assert "all_to_all" not in plan.estimate.collectives
+    w_gate = plan.params["layers.0.moe.experts.w_gate"].param
+    if style == "dp":
+        assert w_gate.is_replicated and plan.parallelism.dp == 8
+    elif style == "fsdp":
+        assert all(isinstance(w_gate[axis], Shard) for axis in (0, 1))
+        assert plan.parallelism.zero == 3
+    else:
+        assert isinstance(w_gate[1], Shard) and w_gate[1].dim != 0
+        assert not isinstance(w_gate[0], Shard)
+        assert plan.parallelism.tp == 4
 
 
 def test_ep_plan_moves_exactly_the_expert_slots_by_all_to_all() -> None:
