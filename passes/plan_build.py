@@ -270,13 +270,14 @@ def _parallelism(
 
 
 def is_residual_add(choices: NodeChoices) -> bool:
-    """A transformer's residual add: two [batch, sequence, hidden] tensors of one shape
-    (a bias added to a projection broadcasts, and does not count)."""
+    """A transformer's residual add: two [batch, sequence, hidden] tensors of one shape, with
+    a sequence to split (a bias added to a projection broadcasts, and does not count; nor
+    does GShard's running count of the slots taken, (groups, 1, experts))."""
     call = choices.call
     if call is None or str(call.target) != "aten.add.Tensor" or len(call.inputs) != 2:
         return False
     left, right = call.inputs
-    return len(left.shape) == 3 and left.shape == right.shape
+    return len(left.shape) == 3 and left.shape == right.shape and left.shape[1] > 1
 
 
 def _sequence_sharded(traced: TracedModel, solved: Solved, axis: int) -> bool:

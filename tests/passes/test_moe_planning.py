@@ -119,12 +119,13 @@ def test_the_batch_of_a_gshard_einsum_is_its_group_letter() -> None:
     assert dims["gsec,egcd->gsd"] == [0, 1]
 
 
-@pytest.mark.parametrize("style", ["dp", "fsdp", "tp"])
+@pytest.mark.parametrize("style", ["dp", "fsdp", "tp", "tp+sp"])
 def test_dense_styles_plan_a_mixture_of_experts_without_splitting_the_experts(style: str):
-    """DDP, FSDP and Megatron TP of a mixture of experts (the plan-quality baselines): every
-    device runs every expert (ep 1) on its groups of tokens; FSDP stores the expert weights
-    sharded, Megatron splits them inside each expert on the tp axis, never on the expert
-    dim."""
+    """DDP, FSDP and Megatron TP (with sequence parallelism) of a mixture of experts (the
+    plan-quality baselines): every device runs every expert (ep 1) on its groups of tokens;
+    FSDP stores the expert weights sharded, Megatron splits them inside each expert on the
+    tp axis, never on the expert dim, and with ``tp+sp`` the residual stream on the
+    sequence (the routing's (groups, 1, experts) slot counts are no residual stream)."""
     model, inputs = build("moe-tiny", batch_size=8, device="meta")
     mesh = autopar.Mesh((2, 4), ("dp", "tp"), device="h100-sxm")
     plan = autopar.plan(model, mesh, inputs, force=style)
@@ -140,6 +141,7 @@ def test_dense_styles_plan_a_mixture_of_experts_without_splitting_the_experts(st
         assert isinstance(w_gate[1], Shard) and w_gate[1].dim != 0
         assert not isinstance(w_gate[0], Shard)
         assert plan.parallelism.tp == 4
+        assert plan.parallelism.sp == (4 if style == "tp+sp" else 1)
 
 
 def test_ep_plan_moves_exactly_the_expert_slots_by_all_to_all() -> None:
