@@ -283,6 +283,8 @@ def run_case(model: str, devices: int) -> dict[str, Any]:
     layers = traced.layers.count if traced.layers else 1
     params = sum(info.numel for info in traced.params.values())
     case: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": machine()["commit"],
         "model": model,
         "devices": devices,
         "mesh": "x".join(map(str, mesh.shape)),
@@ -312,9 +314,7 @@ def run_case(model: str, devices: int) -> dict[str, Any]:
             )
         )
     if is_moe(model):
-        case["ep_dp"] = _try(
-            lambda: plan_traced(traced, mesh, **common, force="ep", stages=1)
-        )
+        case["ep_dp"] = _try(lambda: plan_traced(traced, mesh, **common, force="ep", stages=1))
     grid = megatron_grid(traces, devices, batch, layers, params)
     case["megatron_grid"] = grid
     fitting = [r for r in grid if r.get("status") == "ok"]  # invalid plans never count
@@ -324,8 +324,6 @@ def run_case(model: str, devices: int) -> dict[str, Any]:
     diagnose(case, traces)
     case["trace_s"] = traces.seconds
     case["seconds"] = time.perf_counter() - start
-    case["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    case["commit"] = machine()["commit"]
     return case
 
 
@@ -391,7 +389,7 @@ def run(
         key = f"{model}@{devices}"
         if done and key in done:
             diagnose(done[key])  # cases measured before the diagnosis existed
-            results.append(done[key])
+            results.append(done[key] | {"kept": True})
         else:
             results.append(run_case(model, devices))
         if save is not None:

@@ -306,7 +306,7 @@ def quality(record: dict[str, Any] | None) -> str:
         *stopped,
         _provenance(record),
         "",
-        *_resumed(cases, record),
+        *_resumed(cases),
         _body(module.__doc__),
         "",
         "Each cell: estimated step time, MFU, and autopar's step time divided by that",
@@ -393,15 +393,14 @@ def quality(record: dict[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
-def _resumed(cases: list[dict[str, Any]], record: dict[str, Any]) -> list[str]:
+def _resumed(cases: list[dict[str, Any]]) -> list[str]:
     """A line naming the cases a ``--resume`` run kept from earlier runs, with when and at
     which commit each was measured (the command above measured the others)."""
-    commit = record["machine"].get("commit")
-    kept = [c for c in cases if c.get("commit", commit) != commit]
+    kept = [c for c in cases if c.get("kept")]
     if not kept:
         return []
     where = "; ".join(
-        f"{c['model']} on {c['mesh']} (run {c.get('date', '?')}, commit {c['commit']})"
+        f"{c['model']} on {c['mesh']} (run {c.get('date', '?')}, commit {c.get('commit', '?')})"
         for c in kept
     )
     return [f"Kept from earlier runs of the same command (`--resume`): {where}.", ""]
