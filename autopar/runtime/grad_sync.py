@@ -12,9 +12,9 @@ autograd engine waits for every bucket before ``backward`` returns, so the optim
 synchronised gradients. Each gradient then *is* its slice of the summed bucket (a view, as
 DDP's ``gradient_as_bucket_view``): nothing is copied back, one pass over every gradient
 per step less than copying (DDP's default). A bucket holds one dtype, so that the views
-have their parameters' dtype. As DDP's, the first bucket (the last
-layers' gradients, ready first) is small, ``first_bucket_bytes`` (1 MiB, DDP's default), so
-that communication starts early in backward instead of after a whole 25 MiB of it.
+have their parameters' dtype. As DDP's, the first bucket (the last layers' gradients, ready
+first) is small, ``first_bucket_bytes`` (1 MiB, DDP's default), so that communication
+starts early in backward instead of after a whole 25 MiB of it.
 """
 
 from __future__ import annotations
