@@ -2,7 +2,9 @@
 
 Expert parallelism as the ``ep`` styles force it (``autopar.force``): ep=2 on 2 ranks, with
 GShard top-2 and with Switch top-1 under capacity overflow; ep=2 x dp=2 and ep=2 with
-tensor parallelism inside the experts (``ep+tp``) on 4 ranks. Mixtral's sparse block
+tensor parallelism inside the experts (``ep+tp``) on 4 ranks. The plan-quality baselines'
+styles, which keep every expert on every device: data parallelism (``dp``), FSDP and
+Megatron tensor and sequence parallelism (``tp+sp``) on 4 ranks. Mixtral's sparse block
 (index_select / index_add) with the solver's free choice on 2 ranks (on 2 x 2 it is
 simulated: ``tests/passes/test_moe_planning.py``). The loss of
 every step (cross-entropy plus the load-balancing loss), every gradient after the first
@@ -36,6 +38,10 @@ ON_FOUR = [  # one layer each, to keep planning on 2 x 2 quick
         {"top_k": 2, "batch_size": 4, "n_layer": 1},
     ),
     ("top1/ep x tp", "moe-tiny", (2, 2), ("ep", "tp"), "ep+tp", {"top_k": 1, "n_layer": 1}),
+    # the plan-quality baselines' styles, every device running every expert
+    ("top2/dp", "moe-tiny", (4,), ("dp",), "dp", {"top_k": 2, "batch_size": 4, "n_layer": 1}),
+    ("top2/fsdp", "moe-tiny", (4,), ("dp",), "fsdp", {"top_k": 2, "batch_size": 4, "n_layer": 1}),
+    ("top2/dp x tp+sp", "moe-tiny", (2, 2), ("dp", "tp"), "tp+sp", {"top_k": 2, "n_layer": 1}),
     # 2 sequences cut into 4 groups of 8 tokens, one group per device before the all-to-all
     (
         "drops-top1-groups/dp x ep",
@@ -119,3 +125,25 @@ def test_sparse_block_has_rules_for_every_op(runs: dict) -> None:
     for want of one."""
     result, _ = _result(runs, "sparse/free")
     assert not [w for w in result["warnings"] if "no sharding rule" in w]
+
+
+@pytest.mark.parametrize(
+    ("case", "expected", "expert_layout"),
+    [
+        ("top2/dp", {"ep": 1, "dp": 4}, "[R]"),
+        # stored split over all 4 (ZeRO-3), on the expert dim as it happens, but gathered
+        # whole where used: every device still runs every expert
+        ("top2/fsdp", {"ep": 1, "dp": 4, "zero": 3}, "[S(0)]"),
+        # each expert's d_ff split on the tp axis (column), never the expert dim
+        ("top2/dp x tp+sp", {"ep": 1, "dp": 2, "tp": 2, "sp": 2}, "[R, S(2)]"),
+    ],
+)
+def test_the_baselines_styles_keep_every_expert_on_every_device(
+    runs: dict, case: str, expected: dict[str, int], expert_layout: str
+) -> None:
+    result, _ = _result(runs, case)
+    for key, value in expected.items():
+        assert result["parallelism"][key] == value, key
+    layers = [n for n in result["expert_layouts"] if n.endswith("experts.w_gate")]
+    assert layers and all(result["expert_layouts"][n] == expert_layout for n in layers)
+    assert result["estimate"]["collectives"].get("all_to_all", 0) == 0
