@@ -52,6 +52,7 @@ def style_constraints(style: str, mesh: MeshSpec, tp_axis: int | None = None) ->
     axes = list(range(mesh.ndim))
     tp = (mesh.ndim - 1 if tp_axis is None else tp_axis) if style.startswith("tp") else None
     dp_axes = [a for a in axes if a != tp]
+    batches: dict[str, list[int | None]] = {}  # node -> its batch dims (asked per strategy)
 
     def batch_sharded(strategy: Strategy, operand: int, batch: list[int | None]) -> bool:
         layout, dim = strategy.inputs[operand], batch[operand]
@@ -77,7 +78,9 @@ def style_constraints(style: str, mesh: MeshSpec, tp_axis: int | None = None) ->
             return True
         if note.op in MATMULS and strategy.inputs:
             act = 1 if note.op in ADDED_FIRST else 0  # addmm: (bias, activation, weight)
-            batch = batch_dims(choices)
+            if node not in batches:
+                batches[node] = batch_dims(choices)
+            batch = batches[node]
             if not batch_sharded(strategy, act, batch):
                 return False
             if style in ("dp", "fsdp"):

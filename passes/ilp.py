@@ -48,7 +48,10 @@ With a cutoff (either) the question is "is there a plan better than the one in h
 Where there is one, HiGHS finds a first plan under the cutoff within seconds (planning
 llama3-70b on 512 devices, every solve that found a plan had its first within 4 s); where
 there is none, proving it can take the whole time limit, the relaxation of recomputation
-being weak (two of that planning's solves ran their 60 s and found nothing). So such a
+being weak (two of that planning's solves ran their 60 s and found nothing; its
+memory-limited LP relaxation is the plan without any limit, 6.08 s: the big-M bound of a
+region's saving, its unsharded worst case, lets a fraction of a recomputed layer free
+memory almost free of time). So such a
 solve gives up once a third of its limit has gone by without a plan (``GIVE_UP_FRACTION``),
 and the caller keeps the plan in hand, as when the time limit ends it.
 """

@@ -72,6 +72,16 @@ def _result(runs: dict[int, list[list[dict]]], case: str) -> tuple[dict, list[di
     return by_rank[0], by_rank
 
 
+def _planned(runs: dict, case: str, expected: dict[str, int], expert_layout: str) -> dict:
+    """Rank 0's result of ``case``, after checking its degrees and every layer's w_gate."""
+    result, _ = _result(runs, case)
+    for key, value in expected.items():
+        assert result["parallelism"][key] == value, key
+    layers = [n for n in result["expert_layouts"] if n.endswith("experts.w_gate")]
+    assert layers and all(result["expert_layouts"][n] == expert_layout for n in layers)
+    return result
+
+
 @pytest.mark.parametrize("case", list(WORLD))
 def test_training_equals_single_device(runs: dict, case: str) -> None:
     result, by_rank = _result(runs, case)
@@ -111,11 +121,7 @@ def test_overflow_drops_the_same_tokens(runs: dict, case: str) -> None:
 def test_experts_are_split_and_tokens_travel_by_all_to_all(
     runs: dict, case: str, expected: dict[str, int], expert_layout: str
 ) -> None:
-    result, _ = _result(runs, case)
-    for key, value in expected.items():
-        assert result["parallelism"][key] == value, key
-    layers = [n for n in result["expert_layouts"] if n.endswith("experts.w_gate")]
-    assert layers and all(result["expert_layouts"][n] == expert_layout for n in layers)
+    result = _planned(runs, case, expected, expert_layout)
     assert result["estimate"]["collectives"].get("all_to_all", 0) > 0
     assert result["estimate"]["comm_bytes_by_kind"].get("all_to_all", 0) > 0
 
@@ -141,9 +147,5 @@ def test_sparse_block_has_rules_for_every_op(runs: dict) -> None:
 def test_the_baselines_styles_keep_every_expert_on_every_device(
     runs: dict, case: str, expected: dict[str, int], expert_layout: str
 ) -> None:
-    result, _ = _result(runs, case)
-    for key, value in expected.items():
-        assert result["parallelism"][key] == value, key
-    layers = [n for n in result["expert_layouts"] if n.endswith("experts.w_gate")]
-    assert layers and all(result["expert_layouts"][n] == expert_layout for n in layers)
+    result = _planned(runs, case, expected, expert_layout)
     assert result["estimate"]["collectives"].get("all_to_all", 0) == 0
