@@ -215,6 +215,9 @@ def _solve(
     tied = {node: info.nodes[0] for info in traced.params.values() for node in info.nodes[1:]}
     decisions = group_decisions(choices, representatives, tied)
     allowed = allowed_choices(decisions, request.constraints(mesh))
+    for decision, ok in allowed.items():
+        if not ok:  # no solve can help: say which op, before building any
+            raise no_strategy_error(decisions, decision, mesh)
     mesh_cost = MeshCost(mesh, load_preset(mesh.device))
 
     def build(zero: int, limit: float | None) -> Built:
@@ -382,6 +385,24 @@ def no_plan_error() -> InfeasiblePlanError:
     """No choice satisfies the constraints, whatever the memory."""
     return InfeasiblePlanError(
         "the constraints (forced strategies or hints) allow no plan at all; relax them"
+    )
+
+
+def no_strategy_error(decisions: Decisions, decision: str, mesh: MeshSpec) -> InfeasiblePlanError:
+    """No strategy of one op meets the constraints: name the op and its shape, as the
+    usual cause is a dim they split that the devices do not divide."""
+    node = next(n for n, b in decisions.bindings.items() if b.decision == decision)
+    note = decisions.choices[node].note
+    what = (
+        f"{node} ({note.op}, output {'x'.join(map(str, note.outputs[0].shape))})"
+        if note is not None and note.outputs
+        else node
+    )
+    return InfeasiblePlanError(
+        f"the constraints (forced strategies or hints) allow no strategy for {what} on "
+        f"{mesh.describe()}; a dim they split that the devices do not divide is the usual "
+        "cause (such as a batch smaller than the data-parallel devices): use a batch they "
+        "divide, or relax them"
     )
 
 

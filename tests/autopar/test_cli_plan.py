@@ -111,6 +111,8 @@ def test_codegen_prints_one_ranks_code_with_its_collectives():
         (["plan", "gpt-tiny", "--mesh", "2", "--device", "b200"], 2, "h100-sxm"),
         (["plan", "gpt2-124m", "--mesh", "2", "--memory", "1MiB"], 3, "per device"),
         (["plan", "gpt-tiny", "--mesh", "2", "--memory", "lots"], 2, "80GiB"),
+        # gpt-tiny's example batch of 2 sequences cannot be split over 8 data-parallel ranks
+        (["plan", "gpt-tiny", "--mesh", "2x4", "--force", "dp"], 3, "output 2x16x3x32"),
         (["codegen", "gpt-tiny", "--mesh", "2", "--rank", "5"], 2, "ranks 0..1"),
     ],
 )
