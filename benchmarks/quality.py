@@ -76,11 +76,12 @@ DEFAULT_CASES = (
     ("gpt3-175b", 1024),
     ("mixtral-8x7b", 64),
 )
-QUICK_CASES = (("gpt-tiny", 8),)
+QUICK_CASES = (("gpt-tiny", 8), ("moe-tiny", 4))  # moe-tiny: 4 experts, one per device
 # global batch in sequences: tokens per step as the models' papers (GPT-3 Table 2.1,
 # Llama 3 Sec. 3.4.1), at least one sequence per device
 GLOBAL_BATCH = {
     "gpt-tiny": 16,
+    "moe-tiny": 16,
     "gpt2-124m": 512,
     "gpt3-1.3b": 512,
     "gpt3-6.7b": 1024,

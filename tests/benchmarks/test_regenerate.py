@@ -137,3 +137,16 @@ def test_a_mixture_of_experts_case_shows_its_expert_parallel_baseline_and_kept_c
     assert "| - |" in dense_row
     assert "`--resume`): dense on 8x8 (run yesterday, commit old)." in text
     assert "moe on 8x8 (run" not in text
+
+
+def test_a_quick_quality_run_plans_every_baseline_of_a_dense_and_an_moe_model(tmp_path):
+    """``--quick`` plans gpt-tiny and moe-tiny against every baseline (no timing asserted):
+    the expert-parallel one only for the mixture of experts, where it fits."""
+    out = tmp_path / "BENCHMARKS.md"
+    main(["--quick", "--only", "quality", "--out", str(out), "--results", str(tmp_path / "r")])
+    text = out.read_text()
+    times = [line for line in text.splitlines() if "tiny | 1x" in line and "| 16 |" in line]
+    dense, moe = sorted(times)  # the step-time table's rows (global batch 16)
+    assert dense.count("autopar/this") == 4 and "| - |" in dense  # no EP x DP cell
+    assert moe.count("autopar/this") == 5
+    assert " ep 4" in text  # the EP x DP plan splits moe-tiny's 4 experts over 4 devices
