@@ -34,8 +34,9 @@ What could not be expressed exactly, and how it is approximated:
 - tp = 2 or 4 on more than one node runs on a (dp x pp, tp) mesh whose outer axis is costed
   as a flat ring at the inter-node link (the cost model has no partly-intra-node axis),
   which overstates its data-parallel traffic a little;
-- autopar's own search only cuts pipeline stages over the mesh's outer axis (nodes); its
-  microbatches are the example batch halved while it divides by a stage's devices, and,
+- autopar's own search cuts pipeline stages into blocks of consecutive devices (whole
+  nodes, then parts of a node, as Megatron orders its ranks with the pipeline outermost);
+  its microbatches are the example batch halved while it divides by a stage's devices, and,
   on the model traced again, from one sequence per node of a stage up to those;
 - where a forced split does not divide a model's dims (gpt2-124m's 12 heads over 8
   devices), the forced plan is the best the constraints allow, and its summary may read

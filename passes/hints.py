@@ -25,8 +25,7 @@ rest are ``null``), never longer. Identical layers share one decision in the ILP
 an axis group behaves as one axis, so a layout holds on a grouping only when it places every
 (non-trivial) member of a group alike; on a grouping where it cannot hold, the hint's nodes
 have no allowed choice and that grouping is infeasible. A ban on an axis applies to its
-group. On an axis of size 1 (the outer axis of a stage when every device there is a pipeline
-stage) sharding and replicating are the same, and bans there are moot.
+group. On an axis of size 1 (an axis a pipeline takes whole, inside a stage) sharding and replicating are the same, and bans there are moot.
 """
 
 from __future__ import annotations
@@ -253,11 +252,8 @@ def _check_pipeline(hints: Hints, mesh: MeshSpec, layers: int) -> None:
                 f"{where}: {stages} pipeline stages but the model has {layers} layers; use at "
                 "most one stage per layer"
             )
-        if mesh.shape[0] % stages:
-            raise HintError(
-                f"{where}: {stages} pipeline stages do not divide the mesh's outer axis "
-                f"{mesh.axis_names[0]} of {mesh.shape[0]} devices"
-            )
+        if mesh.stage_mesh(stages) is None:
+            raise HintError(f"{where}: {mesh.no_stage_cut(stages, layers)}")
     if pipeline.cuts is not None and pipeline.cuts[-1] >= layers:
         raise HintError(
             f"{hints.where('pipeline', 'cuts')}: cut at layer {pipeline.cuts[-1]}, but the "
@@ -649,15 +645,12 @@ class _Structure:
         request = self.resolved.apply(self.request, kept)
         layers = self.resolved.layers
         mesh = request.solve.mesh
-        if request.stages is not None:
-            counts = [request.stages]
-        else:
-            outer = mesh.shape[0]
-            counts = [p for p in range(1, outer + 1) if outer % p == 0 and (p == 1 or p <= layers)]
+        counts = [request.stages] if request.stages is not None else mesh.stage_counts(layers)
         found = []
         for p in counts:
             if p not in self.contexts:
-                stage = mesh.model_copy(update={"shape": (mesh.shape[0] // p, *mesh.shape[1:])})
+                stage = mesh.stage_mesh(p)
+                assert stage is not None, "hinted stage counts are checked (_check_pipeline)"
                 self.contexts[p] = [
                     _Context(self, grouped_mesh(stage, groups)) for groups in group_axes(stage)
                 ]

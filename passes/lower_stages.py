@@ -1,7 +1,7 @@
 """Cut one device's lowered program into the pipeline stages it runs.
 
-A pipeline plan holds one intra-op plan on one stage's mesh (``Plan.stage_mesh``: the mesh's
-outer axis divided by ``pp``) and a list of stages, each a contiguous range of layers
+A pipeline plan holds one intra-op plan on one stage's mesh (``Plan.stage_mesh``: a block of
+``size / pp`` consecutive devices, ``MeshSpec.stage_mesh``) and a list of stages, each a contiguous range of layers
 (``Plan.stages``). With interleaving (``chunks`` = v > 1) there are ``pp * v`` stages and
 stage ``c`` runs on physical stage ``c % pp``. Physical stage ``s`` owns the global ranks
 ``[s k, (s + 1) k)`` with ``k`` devices per stage, in the stage mesh's row-major order, so

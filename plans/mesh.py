@@ -148,6 +148,65 @@ class MeshSpec(BaseModel):
             rank //= size
         return tuple(reversed(coords))
 
+    def stage_mesh(self, stages: int) -> MeshSpec | None:
+        """The mesh of one of ``stages`` pipeline stages, or None where they cannot be cut.
+
+        Stage ``s`` holds the consecutive devices ``[s k, (s + 1) k)``, ``k = size / stages``
+        (Megatron's order: the pipeline outermost). Those blocks are sub-meshes when the
+        stage count takes whole axes from the outside in and then divides the next one:
+        ``stages = shape[0] ... shape[j - 1] * q`` with ``q`` dividing ``shape[j]``. The
+        axes taken whole keep size 1 in the stage's mesh (every name stays, so hints and
+        layouts read the same), axis ``j`` keeps ``shape[j] / q``. On a cluster of nodes,
+        stages that divide the node count cut across nodes; more stages cut inside them
+        too.
+
+        >>> MeshSpec((2, 8)).stage_mesh(4).shape
+        (1, 4)
+        >>> MeshSpec((2, 8)).stage_mesh(3) is None
+        True
+        """
+        if stages == 1:
+            return self
+        left = stages
+        shape = list(self.shape)
+        for axis, size in enumerate(shape):
+            if left == 1:
+                break
+            if left % size == 0:
+                shape[axis], left = 1, left // size
+            elif size % left == 0:
+                shape[axis], left = size // left, 1
+            else:
+                return None
+        return self.model_copy(update={"shape": tuple(shape)}) if left == 1 else None
+
+    def stage_counts(self, most: int) -> list[int]:
+        """Every pipeline stage count up to ``most`` (a model's layers) that cuts this mesh
+        into stages (``stage_mesh``), 1 included."""
+        return [p for p in range(1, max(most, 1) + 1) if self.stage_mesh(p) is not None]
+
+    def no_stage_cut(self, stages: int, most: int) -> str:
+        """Why ``stages`` pipeline stages cannot cut this mesh (``stage_mesh``), and the
+        counts up to ``most`` (a model's layers) that can."""
+        counts = ", ".join(map(str, self.stage_counts(most)))
+        return (
+            f"{stages} pipeline stages do not cut the mesh {self.describe()} into blocks of "
+            f"consecutive devices (whole axes from the outermost, then a divisor of the "
+            f"next); pick one of {counts}"
+        )
+
+    def handoff_axis(self, stages: int, boundary: int) -> int:
+        """The mesh axis whose link carries the hand-off from stage ``boundary`` to the
+        next (of ``stages``, the next of the last is the first: interleaving wraps round):
+        the outermost axis on which the two stages' first devices differ, the slowest link
+        between them."""
+        per_stage = self.size // stages
+        here = self.coordinates(boundary * per_stage)
+        there = self.coordinates((boundary + 1) % stages * per_stage)
+        return next(
+            (axis for axis, (a, b) in enumerate(zip(here, there, strict=True)) if a != b), 0
+        )
+
     def describe(self) -> str:
         dims = " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape, strict=True))
         return f"{dims} ({self.size} x {self.device})"

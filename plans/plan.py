@@ -176,8 +176,9 @@ class Plan(_Frozen):
     estimate: Estimate
     stage_mesh: MeshSpec | None = Field(
         None,
-        description="With pipeline stages: the mesh of one stage (the outer axis "
-        "divided by pp); every layout of the plan is on it.",
+        description="With pipeline stages: the mesh of one stage, a block of "
+        "size / pp consecutive devices (MeshSpec.stage_mesh); every layout of the plan "
+        "is on it.",
     )
     params: dict[str, ParamPlan]
     ops: dict[str, OpPlan]

@@ -1,7 +1,8 @@
 """The inter-op search: how many pipeline stages, which schedule, how many microbatches.
 
-For each stage count ``p`` dividing the mesh's outer (slowest) axis, the intra-op plan is
-solved once on one stage's mesh (the outer axis divided by ``p``), its costs are read per
+For each stage count ``p`` that cuts the mesh into blocks of consecutive devices (the
+outer, slowest, axis first: across nodes, then inside them; ``MeshSpec.stage_mesh``), the
+intra-op plan is solved once on one stage's mesh, its costs are read per
 layer (``layer_costs``), and for each schedule and microbatch size the layers are cut into
 stages (``stage_cut``) under the memory limit. The fastest configuration that fits wins;
 the plan keeps the runners-up with their estimates.
@@ -327,8 +328,8 @@ class _Search:
         request = self.request
         costs = layer_costs(source.traced, solved)
         stage_mesh = _stage_mesh(request.solve.mesh, p)
-        # stages hand off along the whole mesh's outer axis (a stage's own outer axis may
-        # be a single device, which sends nothing)
+        # stages hand off on the whole mesh's links (a stage's own mesh may have none
+        # between them: an axis of one device sends nothing)
         links = MeshCost(request.solve.mesh, solved.cost.mesh_cost.preset)
         fitted = 0
         for b in source.sizes:
@@ -354,12 +355,8 @@ def _check(traced: TracedModel, request: PipelineRequest) -> None:
                 f"{request.stages} pipeline stages but the model has {layers} "
                 "layers; use at most one stage per layer"
             )
-        if mesh.shape[0] % request.stages:
-            raise UsageError(
-                f"{request.stages} pipeline stages do not divide the mesh's "
-                f"outer axis {mesh.axis_names[0]} of {mesh.shape[0]} devices; "
-                f"pick a divisor of {mesh.shape[0]}"
-            )
+        if mesh.stage_mesh(request.stages) is None:
+            raise UsageError(mesh.no_stage_cut(request.stages, layers))
     if request.cuts is not None:
         cuts = request.cuts
         if (
@@ -376,11 +373,8 @@ def _check(traced: TracedModel, request: PipelineRequest) -> None:
             raise UsageError(f"{request.stages} stages but the cuts make {len(cuts)}")
         if request.schedule == "interleaved":
             raise UsageError("interleaved 1F1B cuts the layers into equal chunks; drop the cuts")
-        if mesh.shape[0] % len(cuts):
-            raise UsageError(
-                f"{len(cuts)} pipeline stages do not divide the mesh's outer axis "
-                f"{mesh.axis_names[0]} of {mesh.shape[0]} devices"
-            )
+        if mesh.stage_mesh(len(cuts)) is None:
+            raise UsageError(mesh.no_stage_cut(len(cuts), layers))
     if request.schedule is not None and request.schedule not in SCHEDULES:
         raise UsageError(
             f"unknown pipeline schedule {request.schedule!r}; one of {', '.join(SCHEDULES)}"
@@ -405,15 +399,13 @@ def _stage_counts(mesh: MeshSpec, layers: int, request: PipelineRequest) -> list
         return [len(request.cuts)]
     if request.stages is not None:
         return [request.stages]
-    outer = mesh.shape[0]
-    return [p for p in range(1, outer + 1) if outer % p == 0 and (p == 1 or p <= layers)]
+    return mesh.stage_counts(layers)
 
 
 def _stage_mesh(mesh: MeshSpec, stages: int) -> MeshSpec:
-    if stages == 1:
-        return mesh
-    shape = (mesh.shape[0] // stages, *mesh.shape[1:])
-    return mesh.model_copy(update={"shape": shape})
+    found = mesh.stage_mesh(stages)
+    assert found is not None, "stage counts are checked (_check) or listed by the mesh"
+    return found
 
 
 def _microbatch_sizes(request: PipelineRequest, stage_mesh: MeshSpec) -> list[int]:
@@ -586,11 +578,19 @@ def _shared_states(costs: LayerCosts) -> float:
 
 def _p2p_times(costs: LayerCosts, mesh_cost: MeshCost, p: int, scale: float) -> list[float]:
     """Point-to-point seconds per microbatch of each stage (send forward, receive the
-    gradient back), on the whole mesh's outer axis (``mesh_cost``), for the widest
-    boundary of the model."""
+    gradient back) for the widest boundary of the model, each hand-off on the link between
+    the two stages (``MeshSpec.handoff_axis`` of the whole mesh, ``mesh_cost``): across
+    nodes at a node's edge, inside a node between stages that share one."""
     widest = max([part.boundary_bytes for part in (costs.pre, *costs.layers)] or [0.0])
-    one_way = mesh_cost.p2p(widest * scale, 0) if widest else 0.0
-    return [(0 if s == 0 else 2) * one_way + (0 if s == p - 1 else 2) * one_way for s in range(p)]
+    mesh = mesh_cost.mesh
+    one_way = [
+        mesh_cost.p2p(widest * scale, mesh.handoff_axis(p, s)) if widest else 0.0
+        for s in range(p - 1)
+    ]
+    return [
+        (2 * one_way[s - 1] if s > 0 else 0.0) + (2 * one_way[s] if s < p - 1 else 0.0)
+        for s in range(p)
+    ]
 
 
 def _interleaved_cut(

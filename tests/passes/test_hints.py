@@ -115,9 +115,9 @@ def test_a_size_the_axis_does_not_divide(llama):
     ) in str(error.value)
 
 
-def test_pipeline_stages_must_divide_the_outer_axis(llama):
+def test_pipeline_stages_must_cut_the_mesh_into_blocks(llama):
     mesh = MeshSpec((3, 2), ("pp", "tp"), device="h100-sxm")
-    with pytest.raises(HintError, match="2 pipeline stages do not divide the mesh's outer axis"):
+    with pytest.raises(HintError, match="2 pipeline stages do not cut the mesh"):
         resolve_hints(hints_from_text("pipeline: {stages: 2}\n"), llama, mesh)
 
 

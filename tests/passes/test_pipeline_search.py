@@ -13,6 +13,8 @@ from cost_model.step import bubble_fraction
 from examples.models import build, mlp
 from passes.annotation import TensorInfo
 from passes.costs import CostModel
+from passes.pipeline.layer_costs import LayerCosts, Part
+from passes.pipeline.search import _p2p_times
 from passes.trace import trace
 from plans import UsageError
 
@@ -110,7 +112,7 @@ def test_pipeline_across_nodes_when_sharding_across_them_costs_more():
     ("options", "message"),
     [
         ({"stages": 8}, "the model has 4 layers"),
-        ({"stages": 3}, "do not divide the mesh's outer axis"),
+        ({"stages": 3}, "do not cut the mesh"),
         ({"microbatches": 3}, "do not divide the global batch"),
         ({"microbatches": 2}, "must be a multiple of the microbatch"),
         ({"schedule": "zigzag"}, "schedule"),
@@ -335,3 +337,32 @@ def test_a_second_trace_keeps_the_node_names_so_hints_still_bind():
         q = plan.params[f"layers.{layer}.attn.q_proj.weight"].param
         o = plan.params[f"layers.{layer}.attn.o_proj.weight"].param
         assert (str(q), str(o)) == ("[R, S(0)]", "[R, S(1)]")  # column, row parallel on tp
+
+
+def test_hand_offs_inside_a_node_cost_the_intra_node_link():
+    """Four stages on two nodes of 8 (half a node each): stage 0 sends to 1 over NVLink,
+    1 to 2 over InfiniBand, 2 to 3 over NVLink; each hand-off is paid forward (activations)
+    and backward (their gradient) by both of its stages."""
+    mesh = autopar.Mesh.cluster(2, 8, device="h100-sxm")
+    links = MeshCost(mesh, load_preset("h100-sxm"))
+    boundary = 64 * 2**20
+    costs = LayerCosts(Part(), [Part(boundary_bytes=boundary) for _ in range(4)], Part())
+    nvlink, infiniband = links.p2p(boundary, 1), links.p2p(boundary, 0)
+    assert nvlink < infiniband / 5  # 450 against 50 GB/s
+    assert _p2p_times(costs, links, 4, 1.0) == pytest.approx(
+        [2 * nvlink, 2 * nvlink + 2 * infiniband, 2 * infiniband + 2 * nvlink, 2 * nvlink]
+    )
+
+
+def test_stages_are_cut_inside_a_node_when_the_mesh_is_one_node():
+    """One node of 8: no outer axis to cut, so stages split the node (each a block of its
+    devices), and the plan's stages own consecutive ranks."""
+    model, inputs = four_layers()
+    mesh = autopar.Mesh.cluster(1, 8, device="h100-sxm")
+    plan = autopar.plan(model, mesh, inputs, global_batch=256, stages=2, schedule="1f1b")
+    assert plan.parallelism.pp == 2
+    assert plan.stage_mesh is not None and plan.stage_mesh.shape == (1, 4)
+    assert [stage.ranks for stage in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    searched = autopar.plan(model, mesh, inputs, global_batch=256)
+    stage_counts = {a.parallelism.pp for a in searched.alternatives} | {searched.parallelism.pp}
+    assert stage_counts > {1}  # the search considered stages inside the node

@@ -2,7 +2,9 @@
 
 For the GPT and Llama examples (tiny; GPT ties its embedding and head, so the tied weight
 lives on the first and the last stage): pp=2 on 2 ranks with each schedule (GPipe, 1F1B,
-interleaved 1F1B with 4 layers in 2 x 2 chunks); pp=2 x dp=2 and pp=2 x tp=2 on 4 ranks;
+interleaved 1F1B with 4 layers in 2 x 2 chunks); pp=2 x dp=2 and pp=2 x tp=2 on 4 ranks,
+stages cut inside a node's axis (pp=2 x tp=2 on a 1 x 4 mesh) and across both axes (pp=4
+on 2 x 2);
 and ``train_step`` without a pipeline (gradient accumulation over 2 microbatches). The
 loss of every step, every gradient after the first step (gathered over the stage's mesh,
 from the stage that holds the parameter) and every parameter after 2 AdamW steps equal
@@ -59,6 +61,16 @@ ON_FOUR = [
         ("x",),
         {"stages": 2, "schedule": "interleaved", "microbatches": 2, "chunks": 2, "force": "tp"},
     ),
+    # stages cut inside the inner axis (one node of 4): each stage is 2 of its devices
+    (
+        "llama-tiny",
+        2,
+        (1, 4),
+        ("node", "gpu"),
+        {"stages": 2, "schedule": "1f1b", "microbatches": 2, "force": "tp"},
+    ),
+    # four stages on 2 x 2: whole outer axis, then the inner one; a device per stage
+    ("gpt-tiny", 4, (2, 2), ("node", "gpu"), {"stages": 4, "schedule": "1f1b", "microbatches": 4}),
 ]
 # case name -> (world size, case)
 CASES = {
