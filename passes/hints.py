@@ -25,7 +25,8 @@ rest are ``null``), never longer. Identical layers share one decision in the ILP
 an axis group behaves as one axis, so a layout holds on a grouping only when it places every
 (non-trivial) member of a group alike; on a grouping where it cannot hold, the hint's nodes
 have no allowed choice and that grouping is infeasible. A ban on an axis applies to its
-group. On an axis of size 1 (an axis a pipeline takes whole, inside a stage) sharding and replicating are the same, and bans there are moot.
+group. On an axis of size 1 (an axis a pipeline takes whole, inside a stage) sharding and
+replicating are the same, and bans there are moot.
 """
 
 from __future__ import annotations

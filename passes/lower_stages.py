@@ -1,11 +1,11 @@
 """Cut one device's lowered program into the pipeline stages it runs.
 
 A pipeline plan holds one intra-op plan on one stage's mesh (``Plan.stage_mesh``: a block of
-``size / pp`` consecutive devices, ``MeshSpec.stage_mesh``) and a list of stages, each a contiguous range of layers
-(``Plan.stages``). With interleaving (``chunks`` = v > 1) there are ``pp * v`` stages and
-stage ``c`` runs on physical stage ``c % pp``. Physical stage ``s`` owns the global ranks
-``[s k, (s + 1) k)`` with ``k`` devices per stage, in the stage mesh's row-major order, so
-the rank's coordinates on the stage mesh are those of ``rank - s k``.
+``size / pp`` consecutive devices, ``MeshSpec.stage_mesh``) and a list of stages, each a
+contiguous range of layers (``Plan.stages``). With interleaving (``chunks`` = v > 1) there
+are ``pp * v`` stages and stage ``c`` runs on physical stage ``c % pp``. Physical stage
+``s`` owns the global ranks ``[s k, (s + 1) k)`` with ``k`` devices per stage, in the stage
+mesh's row-major order, so the rank's coordinates on the stage mesh are those of ``rank - s k``.
 
 The device's program is lowered once on the stage mesh (``passes.lower_spmd``), then split:
 

@@ -51,11 +51,19 @@ class MemoryBreakdown(_Frozen):
 
 
 class StageEstimate(_Frozen):
-    """Per pipeline stage: compute time of one microbatch and memory per device."""
+    """Per pipeline stage: its time per microbatch and memory per device."""
 
     stage: int
-    forward_s: float
-    backward_s: float
+    forward_s: float = Field(description="Forward compute per microbatch.")
+    backward_s: float = Field(
+        description="The rest of the stage's work per microbatch: backward compute and "
+        "resharding, both ways."
+    )
+    handoff_s: float = Field(
+        0.0,
+        description="Point-to-point per microbatch with the neighbouring stages: "
+        "activations in and out on the way forward, their gradients on the way back.",
+    )
     memory_per_device_bytes: MemoryBreakdown
 
 

@@ -177,9 +177,10 @@ def memory_table(plan: Plan) -> Table:
 
 
 def stages_table(plan: Plan) -> Table:
-    """The pipeline stages: layers, devices and time per microbatch."""
+    """The pipeline stages: layers, devices and time per microbatch (forward compute, the
+    rest of its work, and its point-to-point with the neighbouring stages)."""
     table = Table(title="pipeline stages", title_justify="left")
-    for column in ("stage", "layers", "ranks", "forward", "backward"):
+    for column in ("stage", "layers", "ranks", "forward", "backward", "hand-off"):
         table.add_column(column, justify="left" if column in ("layers", "ranks") else "right")
     times = {s.stage: s for s in plan.estimate.stages}
     physical = plan.parallelism.pp
@@ -193,6 +194,7 @@ def stages_table(plan: Plan) -> Table:
             ranges(list(stage.ranks)),
             format_seconds(estimate.forward_s / chunks) if estimate else "",
             format_seconds(estimate.backward_s / chunks) if estimate else "",
+            format_seconds(estimate.handoff_s / chunks) if estimate else "",
         )
     return table
 

@@ -175,13 +175,14 @@ def time_rows(plan: Plan) -> list[tuple[str, float]]:
 
 
 def stage_times(plan: Plan) -> tuple[list[float], list[float]]:
-    """Forward and backward seconds per microbatch of each device of the pipeline. Without
-    stages, one row: the step's compute per microbatch, one third forward and two thirds
-    backward (the backward computes two gradients per matmul)."""
+    """Forward and backward seconds per microbatch of each device of the pipeline, each
+    with its half of the stage's hand-offs (activations go forward, their gradients come
+    back). Without stages, one row: the step's compute per microbatch, one third forward
+    and two thirds backward (the backward computes two gradients per matmul)."""
     if plan.estimate.stages:
         return (
-            [s.forward_s for s in plan.estimate.stages],
-            [s.backward_s for s in plan.estimate.stages],
+            [s.forward_s + s.handoff_s / 2 for s in plan.estimate.stages],
+            [s.backward_s + s.handoff_s / 2 for s in plan.estimate.stages],
         )
     per_microbatch = plan.estimate.compute_s / max(plan.parallelism.microbatches, 1)
     return [per_microbatch / 3], [2 * per_microbatch / 3]

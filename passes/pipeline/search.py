@@ -109,6 +109,7 @@ class Candidate:
     stage_states: tuple[float, ...]
     stage_activations: tuple[float, ...]
     stage_forward: tuple[float, ...]
+    stage_handoffs: tuple[float, ...]  # point-to-point per microbatch, in stage_times
     first_layers: tuple[int, ...]
     solved: Solved
     stage_mesh: MeshSpec
@@ -519,6 +520,7 @@ def _evaluate(
             (states,),
             (activations,),
             (forward,),
+            (0.0,),
             (0,),
             solved,
             stage_mesh,
@@ -562,6 +564,7 @@ def _evaluate(
         cut.stage_states,
         cut.stage_activations,
         tuple(forwards),
+        tuple(chunks * t for t in p2p),
         cut.first_layers,
         solved,
         stage_mesh,
@@ -759,7 +762,10 @@ def _estimate(base: Plan, best: Candidate, mesh: MeshSpec, traced_batch: int) ->
             StageEstimate(
                 stage=s,
                 forward_s=best.stage_forward[s],
-                backward_s=max(best.stage_times[s] - best.stage_forward[s], 0.0),
+                backward_s=max(
+                    best.stage_times[s] - best.stage_forward[s] - best.stage_handoffs[s], 0.0
+                ),
+                handoff_s=best.stage_handoffs[s],
                 memory_per_device_bytes=MemoryBreakdown(
                     activations=best.stage_activations[s],
                     total=best.stage_states[s] + best.stage_activations[s],

@@ -40,7 +40,7 @@ def test_the_bubble_of_the_estimate_is_the_published_fraction(schedule, chunks):
     )
     p, m, v = plan.parallelism.pp, plan.parallelism.microbatches, plan.parallelism.chunks
     assert v == chunks
-    times = [s.forward_s + s.backward_s for s in plan.estimate.stages]
+    times = [s.forward_s + s.backward_s + s.handoff_s for s in plan.estimate.stages]
     # exactly: the pipeline's time past m of its slowest stage, (sum T_s - max T_s) / v ...
     assert plan.estimate.bubble_s == pytest.approx((sum(times) - max(times)) / v, rel=1e-9)
     # ... which for equal stages is the published fraction of the ideal m T. These stages
@@ -366,3 +366,19 @@ def test_stages_are_cut_inside_a_node_when_the_mesh_is_one_node():
     searched = autopar.plan(model, mesh, inputs, global_batch=256)
     stage_counts = {a.parallelism.pp for a in searched.alternatives} | {searched.parallelism.pp}
     assert stage_counts > {1}  # the search considered stages inside the node
+
+
+def test_each_stage_estimate_holds_its_hand_offs_apart_from_its_work():
+    """Four stages on two nodes of 8: the end stages hand off once, inside their node
+    (``2 n``: forward and back over NVLink); the middle two twice, once inside and once
+    across the nodes' edge (``2 n + 2 i``, InfiniBand)."""
+    model, inputs = four_layers()
+    mesh = autopar.Mesh.cluster(2, 8, device="h100-sxm")
+    plan = autopar.plan(model, mesh, inputs, global_batch=256, stages=4, schedule="1f1b")
+    first, second, third, last = plan.estimate.stages
+    assert first.handoff_s == pytest.approx(last.handoff_s)
+    assert second.handoff_s == pytest.approx(third.handoff_s)
+    inside, across = first.handoff_s, second.handoff_s - first.handoff_s
+    assert 0 < inside < across
+    for stage in plan.estimate.stages:
+        assert stage.forward_s > 0 and stage.backward_s > 0
