@@ -256,6 +256,18 @@ def test_pipeline_example_has_four_stages():
     assert [s.layers for s in plan.stages] == [(0, 0), (1, 1), (2, 2), (3, 3)]
 
 
+def test_hinted_stages_may_cut_inside_the_inner_axis():
+    """Four stages on 2 x 4: both rows of the outer axis, then halves of the inner one;
+    the stage's devices are a 1 x 2 block and the plan's layouts are on it."""
+    model, inputs = build("llama-tiny", device="meta", n_layer=4)
+    traced = trace(model, inputs)
+    mesh = MeshSpec((2, 4), ("node", "gpu"), device="h100-sxm")
+    plan = plan_hinted(traced, mesh, load_hints(EXAMPLES / "pipeline.yaml"), global_batch=8)
+    assert plan.parallelism.pp == 4
+    assert plan.stage_mesh is not None and plan.stage_mesh.shape == (1, 2)
+    assert [s.ranks for s in plan.stages] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+
+
 def test_explicit_cuts_fix_the_stages():
     model, inputs = build("llama-tiny", device="meta", n_layer=4)
     traced = trace(model, inputs)
