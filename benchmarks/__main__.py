@@ -5,6 +5,7 @@
     python -m benchmarks --only runtime gpu   # some sections; the others as last recorded
     python -m benchmarks --full               # also the heavy sections (hours on 2 cores)
     python -m benchmarks --render             # no measuring: the file from the records
+    python -m benchmarks --only quality --resume --cases gpt3-13b@64   # one more case
 
 Sections (in the file's order): trace, speed (planning speed and its plots), quality (plan
 quality against DDP, FSDP and Megatron; heavy), frontier (recompute frontier; heavy),
@@ -48,11 +49,24 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--resume", action="store_true", help="quality: keep the cases already recorded"
     )
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=[],
+        metavar="MODEL@DEVICES",
+        help="quality: also plan these cases (such as gpt3-13b@64), after the run's own",
+    )
     parser.add_argument("--out", type=Path, help="the document (default: BENCHMARKS.md)")
     parser.add_argument(
         "--results", type=Path, help="the records' folder (default: benchmarks/results/cpu)"
     )
     args = parser.parse_args(argv)
+    from benchmarks.quality import parse_case
+
+    try:
+        args.cases = [parse_case(text) for text in args.cases]
+    except ValueError as error:
+        parser.error(str(error))
     if args.quick and (args.out is None or args.results is None):
         scratch = Path(tempfile.mkdtemp(prefix="autopar-benchmarks-"))
         args.out = args.out or scratch / "BENCHMARKS.md"
@@ -144,6 +158,7 @@ def measure(name: str, args: argparse.Namespace, stash: dict[str, Any]) -> Any:
         data = quality.run(
             quick=args.quick,
             full=args.full,
+            extra=args.cases,
             done=done,
             save=lambda partial: save(
                 args.results,

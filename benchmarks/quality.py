@@ -377,17 +377,37 @@ def cases(quick: bool, full: bool) -> list[tuple[str, int]]:
     return list(DEFAULT_CASES)
 
 
+def parse_case(text: str) -> tuple[str, int]:
+    """``gpt3-13b@64`` as (model, devices); ``ValueError`` saying what is wrong."""
+    model, _, devices = text.partition("@")
+    if model not in GLOBAL_BATCH or not devices.isdigit():
+        raise ValueError(
+            f"case {text!r}: write MODEL@DEVICES with a model of {', '.join(GLOBAL_BATCH)} "
+            "and a device count such as 64"
+        )
+    count = int(devices)
+    if count < 1 or (count > GPUS_PER_NODE and count % GPUS_PER_NODE):
+        raise ValueError(
+            f"case {text!r}: {count} devices are no cluster of {GPUS_PER_NODE}-GPU nodes; "
+            f"use up to {GPUS_PER_NODE}, or a multiple of {GPUS_PER_NODE}"
+        )
+    return model, count
+
+
 def run(
     quick: bool = False,
     full: bool = False,
+    extra: list[tuple[str, int]] | None = None,
     done: dict[str, Any] | None = None,
     save: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Every case; ``done`` holds cases already measured (by key) that are kept as they are;
-    ``save`` gets the record so far after each case (a long run can be resumed)."""
+    """Every case of the run (``cases``), then those of ``extra`` it does not have; ``done``
+    holds cases already measured (by key) that are kept as they are; ``save`` gets the
+    record so far after each case (a long run can be resumed)."""
     start = time.perf_counter()
     results = []
-    for model, devices in cases(quick, full):
+    planned = cases(quick, full)
+    for model, devices in [*planned, *(c for c in extra or () if c not in planned)]:
         key = f"{model}@{devices}"
         if done and key in done:
             diagnose(done[key])  # cases measured before the diagnosis existed

@@ -403,7 +403,7 @@ def _resumed(cases: list[dict[str, Any]]) -> list[str]:
         f"{c['model']} on {c['mesh']} (run {c.get('date', '?')}, commit {c.get('commit', '?')})"
         for c in kept
     )
-    return [f"Kept from earlier runs of the same command (`--resume`): {where}.", ""]
+    return [f"Kept from earlier runs (`--resume`): {where}.", ""]
 
 
 def frontier(record: dict[str, Any] | None) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import json
 
+import pytest
+
 from benchmarks import render
 from benchmarks.__main__ import main
 
@@ -153,3 +155,26 @@ def test_a_quick_quality_run_plans_every_baseline_of_a_dense_and_an_moe_model(tm
     # autopar at or under every baseline, on one node: the Megatron grid's best there cuts
     # pipeline stages inside the node (dp 4 x pp 2), so autopar's search must cut there too
     assert "Met in every case." in text
+
+
+def test_extra_quality_cases_run_after_the_runs_own_once_each(monkeypatch):
+    from benchmarks import quality
+
+    ran = []
+    monkeypatch.setattr(quality, "run_case", lambda model, devices: ran.append((model, devices)))
+    quality.run(quick=True, extra=[("gpt3-13b", 64), ("gpt-tiny", 8)])
+    assert ran == [*quality.QUICK_CASES, ("gpt3-13b", 64)]  # gpt-tiny@8 is already one
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("gpt3-13b", "write MODEL@DEVICES"),
+        ("gpt5@64", "write MODEL@DEVICES"),
+        ("gpt3-13b@12", "12 devices are no cluster of 8-GPU nodes"),
+    ],
+)
+def test_a_bad_extra_case_is_refused_with_the_form_to_use(case, words, capsys):
+    with pytest.raises(SystemExit):
+        main(["--only", "quality", "--cases", case])
+    assert words in capsys.readouterr().err
