@@ -11,7 +11,9 @@ mixed precision (autocast; fp32 master weights, AdamW):
 2. the main ops of the traced graph (matmuls, attention, norms, pointwise), each timed alone
    on the GPU (forward, CUDA events, median of 20) next to the cost model's prediction for
    the preset and for a preset calibrated on this GPU;
-3. ``autopar calibrate``'s preset for this GPU, written to ``DIR/calibrated.yaml``.
+3. ``autopar calibrate``'s preset for this GPU, written to ``DIR/calibrated.yaml``;
+4. where the time goes: two steps of each model under ``torch.profiler``, GPU kernel time
+   by kernel and ATen calls by op, so a gap between the two has its cause in the record.
 
 Writes ``DIR/gpu.json`` and prints markdown tables for BENCHMARKS.md. ``--cpu --small`` runs
 the same code on CPU with a tiny model, to check the script where no GPU is.
@@ -123,6 +125,76 @@ def one_step(
     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
     loss.backward()
     optimizer.step()
+
+
+def profile_steps(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    device: torch.device,
+    steps: int = 2,
+) -> dict[str, Any]:
+    """Per step: wall seconds, GPU kernel seconds by kernel name, and ATen calls by op
+    (count, self CPU seconds), from ``torch.profiler`` after two warm-up steps."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for _ in range(2):
+        one_step(model, optimizer, tokens, targets, device)
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    synchronize(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            one_step(model, optimizer, tokens, targets, device)
+        synchronize(device)
+    wall = (time.perf_counter() - start) / steps
+    kernels: dict[str, float] = {}
+    ops: dict[str, list[float]] = {}
+    for event in prof.key_averages():
+        if event.device_type == DeviceType.CUDA and event.self_device_time_total > 0:
+            kernels[event.key] = event.self_device_time_total / 1e6 / steps
+        elif event.key.startswith("aten::"):
+            ops[event.key] = [event.count / steps, event.self_cpu_time_total / 1e6 / steps]
+    return {"wall_s": wall, "kernel_s": sum(kernels.values()), "kernels": kernels, "ops": ops}
+
+
+def profile_gaps(profiles: dict[str, dict[str, Any]], top: int = 15) -> list[str]:
+    """Markdown: kernel time and ATen call counts where compiled and eager differ most."""
+    eager, compiled = profiles["eager"], profiles["compiled"]
+    lines = [
+        "| per step | eager | autopar | difference |",
+        "|---|---:|---:|---:|",
+        f"| wall (profiled) | {eager['wall_s'] * 1e3:.1f} ms | {compiled['wall_s'] * 1e3:.1f} ms "
+        f"| {(compiled['wall_s'] - eager['wall_s']) * 1e3:+.1f} ms |",
+        f"| GPU kernels | {eager['kernel_s'] * 1e3:.1f} ms | {compiled['kernel_s'] * 1e3:.1f} ms "
+        f"| {(compiled['kernel_s'] - eager['kernel_s']) * 1e3:+.1f} ms |",
+        "",
+        "| kernel | eager | autopar | difference |",
+        "|---|---:|---:|---:|",
+    ]
+    names = set(eager["kernels"]) | set(compiled["kernels"])
+    gap = {k: compiled["kernels"].get(k, 0.0) - eager["kernels"].get(k, 0.0) for k in names}
+    for name in sorted(names, key=lambda k: -abs(gap[k]))[:top]:
+        lines.append(
+            f"| `{name[:90]}` | {eager['kernels'].get(name, 0.0) * 1e3:.2f} ms "
+            f"| {compiled['kernels'].get(name, 0.0) * 1e3:.2f} ms | {gap[name] * 1e3:+.2f} ms |"
+        )
+    lines += ["", "| ATen op | eager calls | autopar calls | eager CPU | autopar CPU |"]
+    lines.append("|---|---:|---:|---:|---:|")
+    ops = set(eager["ops"]) | set(compiled["ops"])
+    none = [0.0, 0.0]
+
+    def cpu_gap(op: str) -> float:
+        return abs(compiled["ops"].get(op, none)[1] - eager["ops"].get(op, none)[1])
+
+    for op in sorted(ops, key=lambda k: -cpu_gap(k))[:top]:
+        (ec, et), (cc, ct) = eager["ops"].get(op, none), compiled["ops"].get(op, none)
+        lines.append(f"| {op} | {ec:.0f} | {cc:.0f} | {et * 1e3:.2f} ms | {ct * 1e3:.2f} ms |")
+    return lines
 
 
 def time_op(node: torch.fx.Node, device: torch.device, repeat: int = 20) -> float:
@@ -266,6 +338,12 @@ def main() -> int:
         )
     except torch.OutOfMemoryError:  # both models at once need twice the weights and state
         report["side_by_side"] = None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    report["profile"] = {
+        "eager": profile_steps(copy.deepcopy(model), tokens, targets, device),
+        "compiled": profile_steps(compiled, tokens, targets, device),
+    }
     report["ops"] = op_table(model, tokens, device, presets)
     (args.out / "gpu.json").write_text(json.dumps(report, indent=2))
 
@@ -309,6 +387,8 @@ def main() -> int:
             f"| {row['op']} | {row['shape']} | {m * 1e6:.1f} us | {p * 1e6:.1f} us | "
             f"{m / p:.2f} | {c * 1e6:.1f} us | {m / c:.2f} |"
         )
+    print("\nWhere the time goes (torch.profiler, two steps of each):\n")
+    print("\n".join(profile_gaps(report["profile"])))
     dist.destroy_process_group()
     return 0
 
