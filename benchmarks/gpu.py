@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.testing.ranks import free_port
+from benchmarks.render import profile_table
 from cost_model.compute import op_time
 from cost_model.hardware import DevicePreset, load_preset
 from examples.models import build
@@ -160,41 +161,6 @@ def profile_steps(
         elif event.key.startswith("aten::"):
             ops[event.key] = [event.count / steps, event.self_cpu_time_total / 1e6 / steps]
     return {"wall_s": wall, "kernel_s": sum(kernels.values()), "kernels": kernels, "ops": ops}
-
-
-def profile_gaps(profiles: dict[str, dict[str, Any]], top: int = 15) -> list[str]:
-    """Markdown: kernel time and ATen call counts where compiled and eager differ most."""
-    eager, compiled = profiles["eager"], profiles["compiled"]
-    lines = [
-        "| per step | eager | autopar | difference |",
-        "|---|---:|---:|---:|",
-        f"| wall (profiled) | {eager['wall_s'] * 1e3:.1f} ms | {compiled['wall_s'] * 1e3:.1f} ms "
-        f"| {(compiled['wall_s'] - eager['wall_s']) * 1e3:+.1f} ms |",
-        f"| GPU kernels | {eager['kernel_s'] * 1e3:.1f} ms | {compiled['kernel_s'] * 1e3:.1f} ms "
-        f"| {(compiled['kernel_s'] - eager['kernel_s']) * 1e3:+.1f} ms |",
-        "",
-        "| kernel | eager | autopar | difference |",
-        "|---|---:|---:|---:|",
-    ]
-    names = set(eager["kernels"]) | set(compiled["kernels"])
-    gap = {k: compiled["kernels"].get(k, 0.0) - eager["kernels"].get(k, 0.0) for k in names}
-    for name in sorted(names, key=lambda k: -abs(gap[k]))[:top]:
-        lines.append(
-            f"| `{name[:90]}` | {eager['kernels'].get(name, 0.0) * 1e3:.2f} ms "
-            f"| {compiled['kernels'].get(name, 0.0) * 1e3:.2f} ms | {gap[name] * 1e3:+.2f} ms |"
-        )
-    lines += ["", "| ATen op | eager calls | autopar calls | eager CPU | autopar CPU |"]
-    lines.append("|---|---:|---:|---:|---:|")
-    ops = set(eager["ops"]) | set(compiled["ops"])
-    none = [0.0, 0.0]
-
-    def cpu_gap(op: str) -> float:
-        return abs(compiled["ops"].get(op, none)[1] - eager["ops"].get(op, none)[1])
-
-    for op in sorted(ops, key=lambda k: -cpu_gap(k))[:top]:
-        (ec, et), (cc, ct) = eager["ops"].get(op, none), compiled["ops"].get(op, none)
-        lines.append(f"| {op} | {ec:.0f} | {cc:.0f} | {et * 1e3:.2f} ms | {ct * 1e3:.2f} ms |")
-    return lines
 
 
 def time_op(node: torch.fx.Node, device: torch.device, repeat: int = 20) -> float:
@@ -388,7 +354,7 @@ def main() -> int:
             f"{m / p:.2f} | {c * 1e6:.1f} us | {m / c:.2f} |"
         )
     print("\nWhere the time goes (torch.profiler, two steps of each):\n")
-    print("\n".join(profile_gaps(report["profile"])))
+    print("\n".join(profile_table(report["profile"])))
     dist.destroy_process_group()
     return 0
 

@@ -560,7 +560,8 @@ def gpu(record: dict[str, Any] | None) -> str:
         "",
         f"Not measured here: `{record['command']}` reads the files of a run on an NVIDIA H200 "
         f"({', '.join(data['files'])}), made with `python benchmarks/gpu.py --out "
-        "benchmarks/results/h200` and `python tests/gpu/check_nccl.py`; "
+        "benchmarks/results/h200`, `python tests/gpu/check_nccl.py` and "
+        "`python benchmarks/gpu_alignment.py`; "
         f"check_nccl.log says: `{header}`.",
         "",
         f"{g['model']['preset']}, {g['model']['parameters'] / 1e9:.2f}B parameters, batch "
@@ -569,7 +570,7 @@ def gpu(record: dict[str, Any] | None) -> str:
         "| | eager | autopar (mesh of 1) | ratio |",
         "|---|---:|---:|---:|",
         f"| step time (median of 10) | {1e3 * step['eager_s']:.1f} ms "
-        f"| {1e3 * step['compiled_s']:.1f} ms | {ratio:.3f} |",
+        f"| {1e3 * step['compiled_s']:.1f} ms | {step['ratio']:.3f} |",
         *(
             [
                 f"| step time, alternating pairs (median of 10) | {1e3 * pair['eager_s']:.1f} "
@@ -598,6 +599,15 @@ def gpu(record: dict[str, Any] | None) -> str:
             f"| {1e6 * c:.1f} us | {m / c:.2f} |"
         )
     head = next((op for op in g["ops"] if op["shape"].endswith("x50257")), None)
+    profiles = g.get("profile")
+    if profiles:
+        lines += [
+            "",
+            "Where the time goes: two steps of each model under `torch.profiler` (kernels "
+            "and ATen ops where the two differ most):",
+            "",
+            *profile_table(profiles),
+        ]
     lines += ["", "Observed:", ""]
     lines.append(
         f"- The compiled step takes {ratio:.3f}x eager's time and {memory:.3f}x its peak "
@@ -607,9 +617,17 @@ def gpu(record: dict[str, Any] | None) -> str:
         lines.append(
             f"- The lm_head linear ({head['shape']}) took {1e3 * head['measured_s']:.1f} ms "
             f"against {1e3 * head['predicted_preset_s']:.1f} ms predicted. The vocabulary, "
-            "50257, is not a multiple of 8 or 64; a slow bf16 kernel for that shape is the "
-            "likely cause (observed, not profiled)."
+            "50257, is odd: its rows are not 16-byte aligned in bf16"
+            + (
+                ", and the profile shows cuBLAS running it on a pre-Hopper `align1` "
+                "tensor-op kernel."
+                if profiles and any("align1" in k for k in profiles["eager"]["kernels"])
+                else "."
+            )
         )
+    alignment = data.get("matmul_alignment")
+    if alignment:
+        lines += ["", *matmul_alignment_table(alignment), ""]
     others = [op["measured_s"] / op["predicted_preset_s"] for op in g["ops"] if op is not head]
     if others:
         lines.append(
@@ -647,14 +665,67 @@ def gpu(record: dict[str, Any] | None) -> str:
             "holds the same state (`tests/autopar/runtime/test_step_memory.py`)."
         )
     lines += ["", "`tests/gpu/check_nccl.py` (NCCL on one GPU):", "", "```", *log, "```"]
-    slow = next((line for line in log if "eager vs compiled" in line and "median" in line), None)
-    if slow:
-        lines += [
-            "",
-            "Its last check, a smaller GPT (one rank), also has the compiled step slower "
-            f"than eager: `{slow.strip()}`.",
-        ]
     return "\n".join(lines)
+
+
+def matmul_alignment_table(text: str) -> list[str]:
+    """Markdown of ``benchmarks/gpu_alignment.py``'s lines: bf16 TFLOP/s by output size."""
+    pattern = re.compile(
+        r"N=(\d+) mod8=(\d+) mod64=(\d+) fwd ([\d.]+) ms \((\d+) TF/s\) dgrad ([\d.]+) ms "
+        r"\((\d+)\) wgrad ([\d.]+) ms \((\d+)\)"
+    )
+    lines = [
+        "bf16 matmuls of a linear layer, 16384 x 2048 input, N x 2048 weight "
+        "(`python benchmarks/gpu_alignment.py`, CUDA events, median of 20; "
+        "`matmul_alignment.txt`):",
+        "",
+        "| N | N mod 8 | forward | input gradient | weight gradient |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for line in text.splitlines():
+        match = pattern.match(line.strip())
+        if match:
+            n, mod8, _, fwd, fwd_rate, dx, dx_rate, dw, dw_rate = match.groups()
+            lines.append(
+                f"| {n} | {mod8} | {fwd} ms ({fwd_rate} TFLOP/s) | {dx} ms ({dx_rate}) "
+                f"| {dw} ms ({dw_rate}) |"
+            )
+    return lines
+
+
+def profile_table(profiles: dict[str, dict[str, Any]], top: int = 15) -> list[str]:
+    """Markdown: kernel time and ATen call counts where compiled and eager differ most."""
+    eager, compiled = profiles["eager"], profiles["compiled"]
+    lines = [
+        "| per step | eager | autopar | difference |",
+        "|---|---:|---:|---:|",
+        f"| wall (profiled) | {eager['wall_s'] * 1e3:.1f} ms | {compiled['wall_s'] * 1e3:.1f} ms "
+        f"| {(compiled['wall_s'] - eager['wall_s']) * 1e3:+.1f} ms |",
+        f"| GPU kernels | {eager['kernel_s'] * 1e3:.1f} ms | {compiled['kernel_s'] * 1e3:.1f} ms "
+        f"| {(compiled['kernel_s'] - eager['kernel_s']) * 1e3:+.1f} ms |",
+        "",
+        "| kernel | eager | autopar | difference |",
+        "|---|---:|---:|---:|",
+    ]
+    names = set(eager["kernels"]) | set(compiled["kernels"])
+    gap = {k: compiled["kernels"].get(k, 0.0) - eager["kernels"].get(k, 0.0) for k in names}
+    for name in sorted(names, key=lambda k: -abs(gap[k]))[:top]:
+        lines.append(
+            f"| `{name[:90]}` | {eager['kernels'].get(name, 0.0) * 1e3:.2f} ms "
+            f"| {compiled['kernels'].get(name, 0.0) * 1e3:.2f} ms | {gap[name] * 1e3:+.2f} ms |"
+        )
+    lines += ["", "| ATen op | eager calls | autopar calls | eager CPU | autopar CPU |"]
+    lines.append("|---|---:|---:|---:|---:|")
+    ops = set(eager["ops"]) | set(compiled["ops"])
+    none = [0.0, 0.0]
+
+    def cpu_gap(op: str) -> float:
+        return abs(compiled["ops"].get(op, none)[1] - eager["ops"].get(op, none)[1])
+
+    for op in sorted(ops, key=lambda k: -cpu_gap(k))[:top]:
+        (ec, et), (cc, ct) = eager["ops"].get(op, none), compiled["ops"].get(op, none)
+        lines.append(f"| {op} | {ec:.0f} | {cc:.0f} | {et * 1e3:.2f} ms | {ct * 1e3:.2f} ms |")
+    return lines
 
 
 RENDERERS: dict[str, Callable[[Any], str]] = {

@@ -83,11 +83,18 @@ def frontier(quick: bool = False) -> dict[str, Any]:
 
 
 def gpu() -> dict[str, Any]:
-    """The saved H200 run: ``gpu.json`` (benchmarks/gpu.py) and ``check_nccl.log``
-    (tests/gpu/check_nccl.py). Nothing is measured here."""
+    """The saved H200 run: ``gpu.json`` (benchmarks/gpu.py), ``check_nccl.log``
+    (tests/gpu/check_nccl.py) and ``matmul_alignment.txt`` (benchmarks/gpu_alignment.py).
+    Nothing is measured here."""
     data = json.loads((ROOT / H200 / "gpu.json").read_text())
     log = (ROOT / H200 / "check_nccl.log").read_text()
-    return {"gpu": data, "check_nccl": log, "files": [str(H200 / n) for n in _h200_files()]}
+    alignment = ROOT / H200 / "matmul_alignment.txt"
+    return {
+        "gpu": data,
+        "check_nccl": log,
+        "matmul_alignment": alignment.read_text() if alignment.exists() else None,
+        "files": [str(H200 / n) for n in _h200_files()],
+    }
 
 
 def _h200_files() -> list[str]:
