@@ -585,7 +585,9 @@ def gpu(record: dict[str, Any] | None) -> str:
         f"Planned step time {1e3 * step['predicted_s']:.1f} ms (the cost model's H200 preset); "
         f"compile (trace, plan, lower) {g['compile_s']:.1f} s.",
         "",
-        "Each main op of the traced graph timed alone (forward, CUDA events, median of 20)",
+        "Each main op of the traced graph timed alone, as the compiled program runs it "
+        + ("(a linear as `aligned_linear`; " if g.get("aligned_linear") else "(")
+        + "forward, median of 20),",
         "against the cost model, with the preset and with a preset calibrated on this GPU",
         "(`calibrated.yaml`):",
         "",
@@ -613,7 +615,14 @@ def gpu(record: dict[str, Any] | None) -> str:
         f"- The compiled step takes {ratio:.3f}x eager's time and {memory:.3f}x its peak "
         f"memory; the 5% target is {_ok(ratio <= 1.05)}."
     )
-    if head is not None:
+    if head is not None and g.get("aligned_linear"):
+        lines.append(
+            f"- The lm_head linear ({head['shape']}), whose 50257 rows are not 16-byte "
+            "aligned in bf16, runs with its weight padded to a multiple of 8 rows "
+            f"(`autopar/runtime/aligned_linear.py`): {1e3 * head['measured_s']:.1f} ms "
+            f"against {1e3 * head['predicted_preset_s']:.1f} ms predicted."
+        )
+    elif head is not None:
         lines.append(
             f"- The lm_head linear ({head['shape']}) took {1e3 * head['measured_s']:.1f} ms "
             f"against {1e3 * head['predicted_preset_s']:.1f} ms predicted. The vocabulary, "

@@ -53,6 +53,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils import _pytree as pytree
 
 from autopar.runtime import checkpoint
+from autopar.runtime.aligned_linear import align_linears
 from autopar.runtime.collectives import MODULES
 from autopar.runtime.fused_projection import fuse_projections
 from autopar.runtime.grad_sync import GradientSync
@@ -186,6 +187,8 @@ class CompiledModel(nn.Module):
             lowered, graphs = whole, [whole.graph]
         for graph in graphs:  # an exposed projection as one matmul with its bias, as eager
             fuse_projections(graph)
+            if device.type == "cuda":  # 16-bit matmuls with unaligned rows run padded
+                align_linears(graph)
         self.lowered: LoweredGraph = lowered
         self._out_spec = traced.exported.call_spec.out_spec
         # name -> (the user's shape, the planned shape), for parameters planned reshaped

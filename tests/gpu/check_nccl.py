@@ -13,8 +13,10 @@ reported and the rest still run):
    preset: 3 AdamW steps in fp32 (TF32 off) next to the eager model, losses equal to
    rtol 1e-4;
 3. ``precision="bf16_mixed"`` next to the eager model under the same autocast (rtol 2e-2);
-4. a sharded checkpoint (DCP) saved and loaded back into a fresh compiled model;
-5. for the bigger GPT, eager against compiled: median step time of ``--steps`` steps
+4. a GPT of odd vocabulary (1001) in ``bf16_mixed``: its lm_head runs padded on CUDA
+   (``autopar.runtime.aligned_linear``; not on CPU), losses as eager's (rtol 2e-2);
+5. a sharded checkpoint (DCP) saved and loaded back into a fresh compiled model;
+6. for the bigger GPT, eager against compiled: median step time of ``--steps`` steps
    (after 3 warm-up steps) and peak memory (``torch.cuda.max_memory_allocated``) of each.
 
 Exit status 0 when every check passes. ``--cpu`` runs the same on CPU with gloo (no timing
@@ -43,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autopar
+from autopar.runtime.aligned_linear import aligned_linear
 from autopar.runtime.collectives import AllGather, AllReduce, AllToAll, ReduceScatter
 from examples.models import build, gpt
 
@@ -92,12 +95,14 @@ def loss_of(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def case(run: Run, big: bool, seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+def case(
+    run: Run, big: bool, seed: int = 0, vocab_size: int | None = None
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     """A GPT built on the CPU from ``seed`` and moved to the device, a batch and targets."""
     torch.manual_seed(seed)
     if big:
-        model, (idx,) = gpt(**BIG, batch_size=8)
-        vocab = BIG["vocab_size"]
+        vocab = vocab_size or BIG["vocab_size"]
+        model, (idx,) = gpt(**(BIG | {"vocab_size": vocab}), batch_size=8)
     else:
         model, (idx,) = build("gpt-tiny", batch_size=4)
         vocab = 64
@@ -170,6 +175,21 @@ def check_equivalence(run: Run, big: bool, precision: str = "fp32") -> str:
     assert dtypes == {torch.float32}, f"parameters are {dtypes}"
     detail = compare(losses, ref_losses, 1e-4 if precision == "fp32" else 2e-2)
     return f"{compiled.plan.parallelism.model_dump()} {detail}"
+
+
+def check_odd_vocabulary(run: Run) -> str:
+    """The bigger GPT with a vocabulary of 1001 (odd, as GPT-2's 50257) in bf16_mixed: on
+    CUDA the lm_head runs padded to 1008 rows (``autopar.runtime.aligned_linear``), and
+    trains as the eager model does under the same autocast."""
+    model, idx, target = case(run, big=True, vocab_size=1001)
+    reference = copy.deepcopy(model)
+    compiled = autopar.compile(model, run.mesh(), example_inputs=(idx,), precision="bf16_mixed")
+    rewritten = sum(n.target is aligned_linear for n in compiled.program.graph.nodes)
+    expected = "none" if run.cpu else "some"
+    assert (rewritten > 0) == (not run.cpu), f"{rewritten} linears rewritten; {expected} expected"
+    losses = train(compiled, idx, target, 3)
+    ref_losses = train(reference, idx, target, 3, torch.bfloat16)
+    return f"{rewritten} linears as aligned_linear; {compare(losses, ref_losses, 2e-2)}"
 
 
 def check_checkpoint(run: Run) -> str:
@@ -254,6 +274,7 @@ def main() -> int:
         "gpt-tiny bf16_mixed, 3 steps",
         lambda: check_equivalence(run, big=False, precision="bf16_mixed"),
     )
+    run.check("gpt, vocabulary 1001, bf16_mixed, 3 steps", lambda: check_odd_vocabulary(run))
     run.check("sharded checkpoint (DCP)", lambda: check_checkpoint(run))
     run.check("eager vs compiled, bigger gpt", lambda: check_speed(run, args.steps))
     print("\nreport")
