@@ -28,10 +28,10 @@ def test_gpu_section_is_read_from_the_saved_h200_files(tmp_path):
     text = out.read_text()
     for header in HEADERS:
         assert text.count(header) == 1, header
-    assert "Met: 0.996x (peak memory 1.000x)" in text  # compiled vs eager on the H200
-    assert "34.3 ms against 4.5 ms" in text  # the lm_head of vocab 50257
-    assert "on a pre-Hopper `align1` tensor-op kernel" in text  # read off its profile
-    assert "| GPU kernels | 403.2 ms | 398.5 ms | -4.7 ms |" in text
+    assert "Met: 0.826x (peak memory 1.000x)" in text  # compiled vs eager on the H200
+    assert "padded to a multiple of 8 rows" in text  # the lm_head of vocab 50257
+    assert "6.4 ms against 4.5 ms predicted" in text
+    assert "| GPU kernels | 395.5 ms | 339.7 ms | -55.8 ms |" in text  # read off its profile
     assert "| 50257 | 1 | 34.075 ms (99 TFLOP/s) |" in text  # matmul_alignment.txt
     assert "| 50264 | 0 | 4.752 ms (710 TFLOP/s) |" in text
     assert "Command: `python -m benchmarks" in text or "`python -m benchmarks --only gpu" in text
@@ -112,15 +112,17 @@ def test_the_gpu_verdict_follows_the_figures():
     the other: within 5% is met, beyond is a miss; a run made before a fix says so."""
     old = _h200_record(compiled_s=0.4014, eager_s=0.3721, ratio=1.079)
     old["data"]["gpu"] |= {"side_by_side": None, "fused_projection": False}
+    old["data"]["gpu"] |= {"aligned_linear": False, "profile": None}
     text = render.gpu(old)
     assert "**Missed**: 1.079x" in text
+    assert "its rows are not 16-byte aligned in bf16." in text
     assert "alternating pairs" not in text
     assert "not measured on a GPU yet" in text
     record = _h200_record()
     record["data"]["gpu"]["side_by_side"] |= {"ratio": 1.02}
     text = render.gpu(record)
     assert "Met: 1.020x (peak memory 1.000x)" in text
-    assert "| step time (median of 10) | 377.4 ms | 377.6 ms | 1.001 |" in text
+    assert "| step time (median of 10) | 371.6 ms | 313.3 ms | 0.843 |" in text
     assert "not measured on a GPU yet" not in text
 
 
