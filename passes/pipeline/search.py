@@ -529,7 +529,7 @@ def _evaluate(
             source,
         )
         return candidate if limit is None or memory <= limit else (memory, "no pipeline")
-    p2p = _p2p_times(costs, mesh_cost, p, scale)
+    p2p = _p2p_times(costs, mesh_cost, p, scale, chunks)
     if schedule == "interleaved":
         cut = _interleaved_cut(costs, p, chunks, m, scale, p2p)
     elif request.cuts is not None:
@@ -564,7 +564,7 @@ def _evaluate(
         cut.stage_states,
         cut.stage_activations,
         tuple(forwards),
-        tuple(chunks * t for t in p2p),
+        tuple(p2p),
         cut.first_layers,
         solved,
         stage_mesh,
@@ -579,19 +579,28 @@ def _shared_states(costs: LayerCosts) -> float:
     return sum(costs.pre.params[name] for name in costs.pre.params.keys() & costs.post.params)
 
 
-def _p2p_times(costs: LayerCosts, mesh_cost: MeshCost, p: int, scale: float) -> list[float]:
+def _p2p_times(
+    costs: LayerCosts, mesh_cost: MeshCost, p: int, scale: float, chunks: int = 1
+) -> list[float]:
     """Point-to-point seconds per microbatch of each stage (send forward, receive the
     gradient back) for the widest boundary of the model, each hand-off on the link between
     the two stages (``MeshSpec.handoff_axis`` of the whole mesh, ``mesh_cost``): across
-    nodes at a node's edge, inside a node between stages that share one."""
+    nodes at a node's edge, inside a node between stages that share one.
+
+    With ``chunks`` (interleaved 1F1B, ``v``) every boundary is crossed ``v`` times, and the
+    last stage hands back to the first ``v - 1`` times (chunk ``c p - 1`` to chunk ``c p``),
+    a hand-off both end stages pay."""
     widest = max([part.boundary_bytes for part in (costs.pre, *costs.layers)] or [0.0])
     mesh = mesh_cost.mesh
-    one_way = [
-        mesh_cost.p2p(widest * scale, mesh.handoff_axis(p, s)) if widest else 0.0
-        for s in range(p - 1)
-    ]
+
+    def one_way(boundary: int) -> float:
+        return mesh_cost.p2p(widest * scale, mesh.handoff_axis(p, boundary)) if widest else 0.0
+
+    between = [one_way(s) for s in range(p - 1)]
+    wrap = 2 * (chunks - 1) * one_way(p - 1) if chunks > 1 else 0.0
     return [
-        (2 * one_way[s - 1] if s > 0 else 0.0) + (2 * one_way[s] if s < p - 1 else 0.0)
+        chunks * ((2 * between[s - 1] if s > 0 else 0.0) + (2 * between[s] if s < p - 1 else 0.0))
+        + (wrap if s in (0, p - 1) else 0.0)
         for s in range(p)
     ]
 
@@ -600,7 +609,9 @@ def _interleaved_cut(
     costs: LayerCosts, p: int, v: int, m: int, scale: float, p2p: list[float]
 ) -> StageCut:
     """Interleaved 1F1B: ``p v`` equal chunks of layers, chunk ``c`` on device stage ``c % p``
-    (Narayanan et al. 2021); the parts before and after the layers on the first and last."""
+    (Narayanan et al. 2021); the parts before and after the layers on the first and last.
+    ``p2p``: each stage's hand-offs per microbatch, all ``v`` rounds and the wrap-around
+    (``_p2p_times`` with ``chunks=v``)."""
     layers = len(costs.layers)
     per_chunk = layers // (p * v)
     times, memory, states, acts = [], [], [], []
@@ -614,7 +625,7 @@ def _interleaved_cut(
         held = microbatches_in_flight("interleaved", p, s, m, v)
         state = sum(part.states for part in parts)
         act = held * scale * sum(part.activations for part in parts)
-        times.append(sum(part.time_s for part in parts) * scale + v * p2p[s])
+        times.append(sum(part.time_s for part in parts) * scale + p2p[s])
         states.append(state)
         acts.append(act)
         memory.append(state + act)

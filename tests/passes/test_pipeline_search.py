@@ -354,6 +354,24 @@ def test_hand_offs_inside_a_node_cost_the_intra_node_link():
     )
 
 
+def test_interleaved_hand_offs_cross_each_boundary_v_times_and_wrap_round_v_minus_1():
+    """Interleaved 1F1B with 2 chunks per device on the same four stages: chunk c runs on
+    stage c % 4, so each boundary is crossed twice per microbatch, and chunk 3 (stage 3, on
+    the second node) hands to chunk 4 (stage 0, on the first) once: InfiniBand, paid by
+    both end stages."""
+    mesh = autopar.Mesh.cluster(2, 8, device="h100-sxm")
+    links = MeshCost(mesh, load_preset("h100-sxm"))
+    boundary = 64 * 2**20
+    costs = LayerCosts(Part(), [Part(boundary_bytes=boundary) for _ in range(8)], Part())
+    nvlink, infiniband = links.p2p(boundary, 1), links.p2p(boundary, 0)
+    middle = 2 * (2 * nvlink + 2 * infiniband)
+    ends = 2 * (2 * nvlink) + 2 * infiniband
+    assert _p2p_times(costs, links, 4, 1.0, chunks=2) == pytest.approx([ends, middle, middle, ends])
+    assert _p2p_times(costs, links, 4, 1.0, chunks=3)[0] == pytest.approx(
+        3 * (2 * nvlink) + 2 * 2 * infiniband
+    )
+
+
 def test_stages_are_cut_inside_a_node_when_the_mesh_is_one_node():
     """One node of 8: no outer axis to cut, so stages split the node (each a block of its
     devices), and the plan's stages own consecutive ranks."""
