@@ -45,14 +45,12 @@ HiGHS (through PuLP's highspy interface) solves it; CBC is the fallback. The sta
 gap and problem size are returned, never hidden.
 
 With a cutoff (either) the question is "is there a plan better than the one in hand?".
-Where there is one, HiGHS finds a first plan under the cutoff within seconds (planning
-llama3-70b on 512 devices, every solve that found a plan had its first within 4 s); where
-there is none, proving it can take the whole time limit, the relaxation of recomputation
-being weak (two of that planning's solves ran their 60 s and found nothing; its
-memory-limited LP relaxation is the plan without any limit, 6.08 s: the big-M bound of a
-region's saving, its unsharded worst case, lets a fraction of a recomputed layer free
-memory almost free of time). So such a
-solve gives up once a third of its limit has gone by without a plan (``GIVE_UP_FRACTION``),
+Where there is one, HiGHS finds a first plan under the cutoff within seconds; where there
+is none, it proves it once the relaxation's bound passes the cutoff. With recomputation
+on its convex hull (``RecomputeTerm``) that takes 3 to 4 s on llama3-70b over 64 devices,
+where under the big-M form before it four such solves ran their 20 s (below) and found
+nothing, and that planning took 203 s instead of 483 s, for the same plan. A solve that
+has no plan once a third of its limit has gone by still gives up (``GIVE_UP_FRACTION``),
 and the caller keeps the plan in hand, as when the time limit ends it.
 """
 
@@ -99,14 +97,23 @@ class RecomputeTerm:
     where a binary per copy made the MIP take minutes). The memory it frees is
     ``n S(s)`` and the forward it adds ``n F(s)``, with ``S`` and ``F`` linear in the
     choices (``saving``, ``forward``: decision -> per-choice coefficients; ``edge_saving``:
-    the resharded copies its consumers keep, linear in the edges' pair variables); per digit,
-    ``y[b] = S(s) r[b]`` and ``w[b] = F(s) r[b]`` are linearised as::
+    the resharded copies its consumers keep, linear in the edges' pair variables). Per
+    digit, the products ``S(s) r[b]`` and ``F(s) r[b]`` are written part by part (a
+    decision, or an edge), on the convex hull of each part's one-hot choice ``x`` (the
+    choices, or an edge's pairs, grouped by equal ``(S, F)`` coefficients ``g``)::
 
-        0 <= y[b] <= S(s) + L (1 - r[b]),  y[b] <= S_max r[b]
-                                                        (memory row: - sum_b 2^b y[b];
-                                                         L: S's most negative value)
-        w[b] >= F(s) - F_max (1 - r[b]),  w[b] >= 0     (objective: + weight sum_b 2^b w[b])
+        z[g, b] >= 0,   z[g, b] <= sum_{k in g} x[k],   sum_g z[g, b] = r[b]
+        S(s) r[b] = sum_g S_g z[g, b]   (memory row: - sum_b 2^b of it)
+        F(s) r[b] = sum_g F_g z[g, b]   (objective: + weight sum_b 2^b of it)
         n <= copies;  n = copies or 0 when a hint forces or forbids it
+
+    Exact for whole choices; in the LP relaxation, memory freed costs its own forward
+    time in proportion. The big-M form before it (``y <= S_max r``, ``w >= F(s) - F_max
+    (1 - r)`` with the unsharded worst cases) let a fraction of a recomputed layer free
+    memory almost free of time: on llama3-70b over 64 devices its root bound was the plan
+    without a memory limit (48.5 s against 61.6 s), and the solve stopped at its 60 s
+    limit with a 21% gap; on the hull the root bound is 54.0 s and the solve proves the
+    same plan optimal in 33 s, for 1,920 more (continuous) variables.
 
     Regions that cannot share a layer (``RecomputeBudget``) share its copies.
     """
@@ -116,8 +123,6 @@ class RecomputeTerm:
     copies: int
     saving: dict[str, list[float]]
     forward: dict[str, list[float]]
-    saving_bound: float
-    forward_bound: float
     # index in ``IlpProblem.edges`` -> (p, q) -> bytes per device per copy
     edge_saving: dict[int, Matrix] = field(default_factory=dict)
     weight: float = 1.0  # microbatches per step: the forward runs again for each
@@ -338,43 +343,18 @@ def _add_recompute(
         # recomputing only costs time when memory does not bind: only what hints force
         terms = [term for term in terms if term.forced]
     for t, term in enumerate(terms):
-        # y in GiB, like the memory row: a coefficient of 1/2^30 on it would fall below
-        # HiGHS's smallest matrix value (1e-9) and be dropped
-        saving = pulp.lpSum(
-            c / GIB * v
-            for d, row in term.saving.items()
-            for c, v in zip(row, select[d], strict=True)
-            if c
-        ) + pulp.lpSum(
-            c / GIB * pairs[e][pq]
-            for e, matrix in term.edge_saving.items()
-            for pq, c in matrix.items()
-            if c
-        )
-        forward = pulp.lpSum(
-            c * v
-            for d, row in term.forward.items()
-            for c, v in zip(row, select[d], strict=True)
-            if c
-        )
-        # a region's net saving can be negative for some choices (the inputs only its
-        # checkpoint keeps outweigh what it frees): y <= S(s) must then bind only where it
-        # is recomputed, or it would forbid those choices outright
-        slack = (
-            -sum(min(0.0, *row) for row in term.saving.values())
-            - sum(min(0.0, *matrix.values()) for matrix in term.edge_saving.values())
-        ) / GIB
+        parts = _recompute_parts(term, select, pairs)
         digits[term.name] = []
         for bit in range(term.copies.bit_length()):
             weight = 1 << bit
             r = model.add_variable(f"r_{t}_{bit}", cat=pulp.LpBinary)
-            y = model.add_variable(f"y_{t}_{bit}", lowBound=0)
-            w = model.add_variable(f"w_{t}_{bit}", lowBound=0)
-            model += y <= saving + slack * (1 - r)
-            model += y <= term.saving_bound / GIB * r
-            model += w >= forward - term.forward_bound * (1 - r)
-            freed.append(weight * y)
-            objective.append(term.weight * weight * w)
+            saving, forward = [], []
+            for i, groups in enumerate(parts):
+                part_saving, part_forward = _times_digit(model, groups, r, f"z_{t}_{bit}_{i}")
+                saving += part_saving
+                forward += part_forward
+            freed.append(weight * pulp.lpSum(saving))
+            objective.append(term.weight * weight * pulp.lpSum(forward))
             digits[term.name].append((weight, r))
         count = pulp.lpSum(weight * r for weight, r in digits[term.name])
         model += count <= term.copies
@@ -385,6 +365,63 @@ def _add_recompute(
         if counts:
             model += pulp.lpSum(counts) <= budget.copies
     return freed, digits
+
+
+Groups = dict[tuple[float, float], list[object]]
+"""A part of a region (a decision, or an edge) as its one-hot members (choice variables,
+or the edge's pair products) by what their choice gives the region: (GiB freed, forward
+seconds). Members a choice cannot take (fixed at 0) are left out."""
+
+
+def _recompute_parts(
+    term: RecomputeTerm,
+    select: dict[str, list[pulp.LpVariable | float]],
+    pairs: list[dict[tuple[int, int], object]],
+) -> list[Groups]:
+    """The region's decisions and edges, each as ``Groups``: choices with equal
+    coefficients share one hull variable per digit."""
+    parts: list[Groups] = []
+    for d in sorted(term.saving.keys() | term.forward.keys()):
+        saving, forward = term.saving.get(d), term.forward.get(d)
+        groups: Groups = {}
+        for k, member in enumerate(select[d]):
+            key = (saving[k] / GIB if saving else 0.0, forward[k] if forward else 0.0)
+            _add_member(groups, key, member)
+        parts.append(groups)
+    for e, matrix in sorted(term.edge_saving.items()):
+        groups = {}
+        for pq, member in pairs[e].items():
+            _add_member(groups, (matrix.get(pq, 0.0) / GIB, 0.0), member)
+        parts.append(groups)
+    return parts
+
+
+def _add_member(groups: Groups, key: tuple[float, float], member: object) -> None:
+    if not (isinstance(member, float) and member == 0.0):
+        groups.setdefault(key, []).append(member)
+
+
+def _times_digit(
+    model: pulp.LpProblem, groups: Groups, r: pulp.LpVariable, name: str
+) -> tuple[list[object], list[object]]:
+    """The GiB freed and the forward seconds of one part times a digit ``r`` (module
+    docstring): ``sum_g c_g z_g`` and ``sum_g f_g z_g`` with ``z_g <= sum of g's members``
+    and ``sum_g z_g = r``, which is ``r`` times the chosen group's ``c, f`` when the choice
+    is whole, and their convex hull when it is not."""
+    if len(groups) == 1:  # one outcome, whichever member is chosen (or a fixed choice)
+        ((c, f),) = groups
+        return ([c * r] if c else []), ([f * r] if f else [])
+    saving, forward, shares = [], [], []
+    for g, ((c, f), members) in enumerate(groups.items()):
+        z = model.add_variable(f"{name}_{g}", lowBound=0)
+        model += z <= pulp.lpSum(members)
+        shares.append(z)
+        if c:
+            saving.append(c * z)
+        if f:
+            forward.append(f * z)
+    model += pulp.lpSum(shares) == r
+    return saving, forward
 
 
 def _add_edge(

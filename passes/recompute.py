@@ -81,7 +81,6 @@ class Region:
     # resharded copies its consumers keep between two decisions (``problem.KeptCopy``)
     kept: list[KeptCopy] = field(default_factory=list)
     saving_bound: float = 0.0
-    forward_bound: float = 0.0
     forced: bool | None = None  # a hint's: True recompute every copy, False none
 
     def saving_at(self, choice: dict[str, int]) -> float:
@@ -246,7 +245,6 @@ def _coefficients(
             saving[k] += cost.saved_bytes(note, strategy, output=owns_freed)
             forward[k] += cost.op_time(note, strategy)[0]
     _kept_boundary(region, members, decisions, cost, savers)
-    region.forward_bound = sum(max(v) for v in region.forward.values())
 
 
 def _kept_copies(
@@ -354,9 +352,7 @@ def recompute_terms(regions: list[Region], microbatches: int) -> list[RecomputeT
             copies=len(r.copies),
             saving=r.saving,
             forward=r.forward,
-            saving_bound=r.saving_bound,
             edge_saving=_edge_saving(r.kept),
-            forward_bound=r.forward_bound,
             weight=float(microbatches),
             forced=r.forced,
         )

@@ -17,13 +17,23 @@ import math
 from dataclasses import replace
 from functools import partial
 
+import pulp
 import pytest
 
 import autopar
 import passes.solve as solve_module
 from autopar.force import style_constraints
 from examples.models import build
-from passes.ilp import GIB, EdgeTerm, IlpProblem, RecomputeBudget, RecomputeTerm, solve_ilp
+from passes.ilp import (
+    GIB,
+    EdgeTerm,
+    IlpProblem,
+    RecomputeBudget,
+    RecomputeTerm,
+    _recompute_parts,
+    _times_digit,
+    solve_ilp,
+)
 from passes.recompute import Region, chosen_layers, recompute_budgets
 from passes.solve import SolveRequest, solve_sharding
 from passes.trace import trace
@@ -172,8 +182,6 @@ def term(name: str, copies: int, saving_gib=1.0, forward_s=FORWARD_S, **kwargs) 
         copies=copies,
         saving={"a": [saving_gib * GIB]},
         forward={"a": [forward_s]},
-        saving_bound=saving_gib * GIB,
-        forward_bound=forward_s,
         **kwargs,
     )
 
@@ -256,9 +264,7 @@ def test_recomputation_against_a_leaner_strategy_the_cheaper_wins(slower_s, reco
         cost={"a": [1.0, 1.0 + slower_s]},
         memory={"a": [10 * GIB, 6 * GIB]},
         memory_limit=8 * GIB,
-        recompute=[
-            RecomputeTerm("r", "selective", 8, {"a": [GIB, GIB / 4]}, {"a": [0.1, 0.1]}, GIB, 0.1)
-        ],
+        recompute=[RecomputeTerm("r", "selective", 8, {"a": [GIB, GIB / 4]}, {"a": [0.1, 0.1]})],
     )
     solution = solve_ilp(problem)
     assert solution.choice == {"a": 0 if recompute else 1}
@@ -275,9 +281,7 @@ def net_cost_problem() -> IlpProblem:
         cost={"a": [1.0, 2.0]},
         memory={"a": [2 * GIB, 2 * GIB]},
         memory_limit=10 * GIB,
-        recompute=[
-            RecomputeTerm("r", "selective", 4, {"a": [-GIB, GIB]}, {"a": [0.1, 0.1]}, GIB, 0.1)
-        ],
+        recompute=[RecomputeTerm("r", "selective", 4, {"a": [-GIB, GIB]}, {"a": [0.1, 0.1]})],
     )
 
 
@@ -311,8 +315,6 @@ def kept_copy_problem(limit_gib: float) -> IlpProblem:
                 1,
                 {"a": [4 * GIB]},
                 {"a": [0.1]},
-                4 * GIB,
-                0.1,
                 edge_saving={0: {(0, 0): -3 * GIB}},
             )
         ],
@@ -407,3 +409,27 @@ def test_explicit_attention_is_never_slower_with_recomputation_allowed(monkeypat
     no_recompute(monkeypatch)
     plain = solve_sharding(traced, replace(request, memory_limit=limit)).report.objective
     assert _tie(joint, plain)
+
+
+@pytest.mark.parametrize("chosen", [0, 1])
+def test_a_fraction_of_a_recomputed_copy_frees_that_fraction_of_its_own_saving(chosen):
+    """The products of a digit and a region's saving and forward time are written on the
+    convex hull of the choice (``ilp._times_digit``): with the choice whole and the digit
+    at a half, as the LP relaxation may set it, the copy frees half of what the chosen
+    strategy frees, and its forward costs half of that strategy's, however large the other
+    strategy's saving. (The big-M form before it freed up to half the largest saving at
+    no time at all, so a relaxed plan fitted the memory limit almost for free.)"""
+    term = RecomputeTerm("r", "full", 1, {"a": [64 * GIB, GIB]}, {"a": [6.4, 0.1]})
+    model = pulp.LpProblem("hull", pulp.LpMaximize)
+    select = [
+        model.add_variable(f"s_{k}", lowBound=int(k == chosen), upBound=int(k == chosen))
+        for k in range(2)
+    ]
+    r = model.add_variable("r", lowBound=0.5, upBound=0.5)
+    (groups,) = _recompute_parts(term, {"a": select}, [])
+    saving, forward = _times_digit(model, groups, r, "z")
+    for sense, expected in ((1, 0.5 * [64, 1][chosen]), (-1, 0.5 * [64, 1][chosen])):
+        model.setObjective(sense * pulp.lpSum(saving))
+        model.solve(pulp.HiGHS(msg=False))
+        assert pulp.value(pulp.lpSum(saving)) == pytest.approx(expected)  # GiB
+        assert pulp.value(pulp.lpSum(forward)) == pytest.approx(0.5 * [6.4, 0.1][chosen])
