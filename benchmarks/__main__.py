@@ -6,6 +6,7 @@
     python -m benchmarks --full               # also the heavy sections (hours on 2 cores)
     python -m benchmarks --render             # no measuring: the file from the records
     python -m benchmarks --only quality --resume --cases gpt3-13b@64   # one more case
+    python -m benchmarks --only quality --full --resume --again llama3-70b@64  # plan anew
 
 Sections (in the file's order): trace, speed (planning speed and its plots), quality (plan
 quality against DDP, FSDP and Megatron; heavy), frontier (recompute frontier; heavy),
@@ -56,6 +57,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="MODEL@DEVICES",
         help="quality: also plan these cases (such as gpt3-13b@64), after the run's own",
     )
+    parser.add_argument(
+        "--again",
+        nargs="+",
+        default=[],
+        metavar="MODEL@DEVICES",
+        help="quality, with --resume: plan these recorded cases again",
+    )
     parser.add_argument("--out", type=Path, help="the document (default: BENCHMARKS.md)")
     parser.add_argument(
         "--results", type=Path, help="the records' folder (default: benchmarks/results/cpu)"
@@ -65,8 +73,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
     try:
         args.cases = [parse_case(text) for text in args.cases]
+        args.again = [parse_case(text) for text in args.again]
     except ValueError as error:
         parser.error(str(error))
+    if args.again and not args.resume:
+        parser.error("--again plans recorded cases anew: use it with --resume")
     if args.quick and (args.out is None or args.results is None):
         scratch = Path(tempfile.mkdtemp(prefix="autopar-benchmarks-"))
         args.out = args.out or scratch / "BENCHMARKS.md"
@@ -155,6 +166,9 @@ def measure(name: str, args: argparse.Namespace, stash: dict[str, Any]) -> Any:
                         case.setdefault("commit", stored_record["machine"].get("commit", "?"))
                     done = {f"{c['model']}@{c['devices']}": c for c in cases}
                     break
+            for model, devices in args.again:
+                if done is not None:
+                    done.pop(f"{model}@{devices}", None)
         data = quality.run(
             quick=args.quick,
             full=args.full,

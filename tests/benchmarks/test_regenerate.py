@@ -175,6 +175,42 @@ def test_extra_quality_cases_run_after_the_runs_own_once_each(monkeypatch):
     assert ran == [*quality.QUICK_CASES, ("gpt3-13b", 64)]  # gpt-tiny@8 is already one
 
 
+def test_a_resumed_run_plans_again_only_the_cases_named_again(monkeypatch, tmp_path):
+    from benchmarks import quality
+
+    entry = {
+        "status": "ok", "step_s": 1.0, "mfu": 0.5, "plan_s": 1.0, "dp": 4, "tp": 1, "pp": 1,
+        "sp": 1, "zero": 0, "schedule": "none", "chunks": 1, "microbatches": 1,
+        "microbatch": 4, "recompute": [],
+    }  # fmt: skip
+
+    def case(model, devices, commit):
+        return {
+            "model": model, "devices": devices, "mesh": f"1x{devices}", "global_batch": 4,
+            "autopar": entry, "ddp": entry, "fsdp": entry, "megatron": entry,
+            "megatron_grid": [], "commit": commit,
+        }  # fmt: skip
+
+    ran = []
+    monkeypatch.setattr(quality, "run_case", lambda m, d: ran.append((m, d)) or case(m, d, "new"))
+    results = tmp_path / "results"
+    results.mkdir()
+    old = [case(m, d, "old") for m, d in quality.QUICK_CASES]
+    (results / "quality.json").write_text(json.dumps(_record({"cases": old})))
+    out = tmp_path / "BENCHMARKS.md"
+    again = ["--again", "moe-tiny@4", "--results", str(results), "--out", str(out)]
+    main(["--only", "quality", "--quick", "--resume", *again])
+    assert ran == [("moe-tiny", 4)]
+    cases = json.loads((results / "quality.json").read_text())["data"]["cases"]
+    assert [(c["model"], c["commit"]) for c in cases] == [("gpt-tiny", "old"), ("moe-tiny", "new")]
+
+
+def test_again_without_resume_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(["--only", "quality", "--again", "gpt3-13b@64"])
+    assert "use it with --resume" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("case", "words"),
     [
