@@ -294,8 +294,9 @@ def _solve(
     # under the limit: every ZeRO stage with the recompute candidates as variables, so the
     # MIP trades recomputation against sharding and ZeRO (``ilp.RecomputeTerm``)
     built = [build(zero, request.memory_limit) for zero in levels]
-    # a stage whose model states alone exceed the limit needs no MIP to rule out (which,
-    # with recomputation's weak relaxation, may take the whole time limit to prove it)
+    # a stage whose model states alone exceed the limit needs no MIP to rule out (which
+    # the solver can take long to prove: recomputation's relaxation frees memory in
+    # fractions of layers)
     fitting = [b for b in built if states_floor(b.parts) <= request.memory_limit]
     found = _solve_levels(fitting, run) if fitting else None
     if found is None and request.work_cutoff is not None:
