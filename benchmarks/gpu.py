@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import statistics
 import sys
@@ -114,6 +115,43 @@ def side_by_side(
                     times[which].append(time.perf_counter() - start)
     eager_s, compiled_s = (statistics.median(t) for t in times)
     return {"eager_s": eager_s, "compiled_s": compiled_s, "ratio": compiled_s / eager_s}
+
+
+def memory_limited(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    device: torch.device,
+    mesh: autopar.Mesh,
+    limit: float,
+    steps: int,
+) -> dict[str, Any]:
+    """The model compiled under a per-device memory ``limit`` (bytes) that only
+    recomputation meets on one device: what the plan recomputes and predicts, and what the
+    step measures. ``peak_bytes`` counts from what was allocated before compiling (the
+    model given here and earlier runs' leftovers are not the compiled model's)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    compiled = autopar.compile(
+        copy.deepcopy(model),
+        mesh,
+        example_inputs=(tokens,),
+        precision="bf16_mixed",
+        memory_limit=f"{int(limit)}B",
+    )
+    seconds, peak, _ = step_times(compiled, tokens, targets, device, steps)
+    plan = compiled.plan
+    return {
+        "limit_bytes": limit,
+        "planned_bytes": plan.estimate.memory_per_device_bytes.total,
+        "recomputed_regions": len(plan.recompute),
+        "recomputed_layers": sorted({layer for r in plan.recompute for layer in r.layers}),
+        "predicted_s": plan.estimate.step_time_s,
+        "step_s": seconds,
+        "peak_bytes": max(peak - before, 0.0),
+    }
 
 
 def one_step(
@@ -319,6 +357,12 @@ def main() -> int:
         "compiled": profile_steps(compiled, tokens, targets, device),
     }
     report["ops"] = op_table(model, tokens, device, presets)
+    # two thirds of the memory the unlimited plan needs: recomputation has to make it fit
+    unlimited = compiled.plan.estimate.memory_per_device_bytes.total
+    del compiled
+    report["memory_limited"] = memory_limited(
+        model, tokens, targets, device, mesh, 2 / 3 * unlimited, args.steps
+    ) | {"unlimited_planned_bytes": unlimited}
     (args.out / "gpu.json").write_text(json.dumps(report, indent=2))
 
     print(
@@ -361,6 +405,15 @@ def main() -> int:
             f"| {row['op']} | {row['shape']} | {m * 1e6:.1f} us | {p * 1e6:.1f} us | "
             f"{m / p:.2f} | {c * 1e6:.1f} us | {m / c:.2f} |"
         )
+    limited = report["memory_limited"]
+    print(
+        f"\nUnder a memory limit of {limited['limit_bytes'] / 2**30:.2f} GiB (two thirds of "
+        f"the unlimited plan's {limited['unlimited_planned_bytes'] / 2**30:.2f} GiB): "
+        f"{limited['recomputed_regions']} regions recomputed; planned "
+        f"{limited['planned_bytes'] / 2**30:.2f} GiB, {limited['predicted_s'] * 1e3:.1f} ms; "
+        f"measured peak {limited['peak_bytes'] / 2**30:.2f} GiB, step "
+        f"{limited['step_s'] * 1e3:.1f} ms (median of {args.steps})"
+    )
     print("\nWhere the time goes (torch.profiler, two steps of each):\n")
     print("\n".join(profile_table(report["profile"])))
     dist.destroy_process_group()

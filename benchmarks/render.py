@@ -673,8 +673,30 @@ def gpu(record: dict[str, Any] | None) -> str:
             "tensor storage on CPU, a compiled bf16 step peaks no higher than eager's and "
             "holds the same state (`tests/autopar/runtime/test_step_memory.py`)."
         )
+    limited = g.get("memory_limited")
+    if limited:
+        lines += ["", *memory_limited_lines(limited, step["compiled_s"])]
     lines += ["", "`tests/gpu/check_nccl.py` (NCCL on one GPU):", "", "```", *log, "```"]
     return "\n".join(lines)
+
+
+def memory_limited_lines(limited: dict[str, Any], unlimited_s: float) -> list[str]:
+    """The GPU run's plan under a memory limit only recomputation meets, as measured."""
+    gib = 2**30
+    layers = limited["recomputed_layers"]
+    over = limited["peak_bytes"] > limited["limit_bytes"]
+    return [
+        f"Under a memory limit of {limited['limit_bytes'] / gib:.2f} GiB, two thirds of what "
+        f"the unlimited plan needs ({limited['unlimited_planned_bytes'] / gib:.2f} GiB), "
+        f"autopar recomputes {limited['recomputed_regions']} regions in "
+        f"{len(layers)} layers; it plans {limited['planned_bytes'] / gib:.2f} GiB and "
+        f"{1e3 * limited['predicted_s']:.1f} ms a step. Measured: a peak of "
+        f"{limited['peak_bytes'] / gib:.2f} GiB above what was allocated before compiling "
+        f"({'**over** the limit' if over else 'within the limit'}; the loss on the logits, "
+        "outside the model and the plan, included), and "
+        f"{1e3 * limited['step_s']:.1f} ms a step against {1e3 * unlimited_s:.1f} ms "
+        f"without the limit ({limited['step_s'] / unlimited_s:.3f}x).",
+    ]
 
 
 def matmul_alignment_table(text: str) -> list[str]:

@@ -223,3 +223,18 @@ def test_a_bad_extra_case_is_refused_with_the_form_to_use(case, words, capsys):
     with pytest.raises(SystemExit):
         main(["--only", "quality", "--cases", case])
     assert words in capsys.readouterr().err
+
+
+def test_the_gpu_run_under_a_memory_limit_says_whether_its_peak_kept_within():
+    record = _h200_record()
+    limited = {
+        "limit_bytes": 30 * 2**30, "unlimited_planned_bytes": 45 * 2**30,
+        "planned_bytes": 29 * 2**30, "recomputed_regions": 3, "recomputed_layers": [0, 1],
+        "predicted_s": 0.3, "step_s": 0.4, "peak_bytes": 28 * 2**30,
+    }  # fmt: skip
+    record["data"]["gpu"]["memory_limited"] = limited
+    text = render.gpu(record)
+    assert "Under a memory limit of 30.00 GiB" in text
+    assert "recomputes 3 regions in 2 layers" in text and "within the limit" in text
+    limited["peak_bytes"] = 31 * 2**30
+    assert "**over** the limit" in render.gpu(record)
