@@ -18,6 +18,7 @@ from autopar.cli.mesh_args import add_mesh_arguments, mesh_from_args
 from autopar.cli.render import console, plan_tables, working
 from autopar.force import STYLES
 from autopar.model_source import build_model, parse_config
+from autopar.report import require_matplotlib
 from plans.io import dump_plan, save_plan
 from plans.plan import Plan
 
@@ -92,6 +93,8 @@ def add_output_arguments(parser: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.report:
+        require_matplotlib()
     mesh = mesh_from_args(args)
     options: dict[str, Any] = {
         "global_batch": args.global_batch,

@@ -65,3 +65,28 @@ def test_untraceable_model_exits_4_naming_the_line(tmp_path):
     assert result.returncode == 4
     assert "bad_model.py:4" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_report_without_matplotlib_fails_before_planning(monkeypatch, capsys, tmp_path):
+    """Where matplotlib is missing (a partial install), the report could only fail after the
+    plan was made; the command says so first, with the fix, and plans nothing."""
+    import importlib.util
+
+    import autopar
+    from autopar.cli import main
+
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name: str, *args: object) -> object:
+        return None if name == "matplotlib" else real_find_spec(name, *args)
+
+    def no_planning(*args: object, **kwargs: object) -> None:
+        raise AssertionError("planned before checking for matplotlib")
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(autopar, "plan", no_planning)
+    code = main(["plan", "gpt-tiny", "--mesh", "2", "--report", str(tmp_path / "r.html")])
+    assert code == 2
+    error = capsys.readouterr().err
+    assert "--report draws with matplotlib" in error and "pip install matplotlib" in error
+    assert not (tmp_path / "r.html").exists()
