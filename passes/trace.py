@@ -148,16 +148,12 @@ def trace(
     decompose_for_sharding(exported.graph_module)
     signature = exported.graph_signature
     names_of = _tied_names(model)
-    reshaped = (
-        {}
-        if __import__("os").environ.get("NOEXPOSE")
-        else expose_fused_projections(
-            exported.graph_module,
-            {
-                node: names_of.get(name, (name,))[0]
-                for node, name in signature.inputs_to_parameters.items()
-            },
-        )
+    reshaped = expose_fused_projections(
+        exported.graph_module,
+        {
+            node: names_of.get(name, (name,))[0]
+            for node, name in signature.inputs_to_parameters.items()
+        },
     )
     placeholder_kinds: dict[str, tuple[NodeKind, str | None]] = {}
     for node_name, param in signature.inputs_to_parameters.items():
