@@ -3,7 +3,8 @@
 Used by the multi-rank equivalence tests: every rank builds the same model (same seed),
 runs 3 AdamW steps on it alone (the reference) and on its compiled copy, and returns the
 losses, the gathered gradients of the first step and the gathered parameters after the
-last, for the test to compare.
+last, for the test to compare. Rank 0 also trains the model alone in float64, which measures
+the fp32 roundoff the comparison allows (``tests.autopar.runtime.closeness``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 import autopar
 from examples.models import build
+from tests.autopar.runtime.closeness import in_float64
 
 STEPS = 3
 
@@ -37,6 +39,25 @@ def make_case(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], tor
         vocab = model.lm_head.weight.shape[0]
         target = torch.randint(0, vocab, inputs[0].shape, generator=generator)
     return model, inputs, target
+
+
+def exact_run(
+    model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, name: str
+) -> dict[str, Any]:
+    """Losses, first gradients and final parameters of the single-device run in float64."""
+    exact, inputs64, target64 = in_float64(model, inputs, target)
+    losses, grads, _ = train(
+        exact,
+        inputs64,
+        target64,
+        name,
+        lambda: {n: p.grad.clone() for n, p in exact.named_parameters()},
+    )
+    return {
+        "exact_losses": losses,
+        "exact_grads": grads,
+        "exact_params": {n: p.detach() for n, p in exact.named_parameters()},
+    }
 
 
 def train(
@@ -75,6 +96,7 @@ def compare(
     for name, style, *more in cases:
         options = more[0] if more else {}
         model, inputs, target = make_case(name)
+        exact = exact_run(model, inputs, target, name) if rank == 0 else {}
         reference = copy.deepcopy(model)
         ref_losses, ref_grads, _ = train(
             reference,
@@ -107,6 +129,9 @@ def compare(
                     "ref_grads": {n: ref_grads[n] for n in names_},
                     "params": params,
                     "ref_params": {n: ref_params[n].detach() for n in names_},
+                    "exact_losses": exact["exact_losses"],
+                    "exact_grads": {n: exact["exact_grads"][n] for n in names_},
+                    "exact_params": {n: exact["exact_params"][n] for n in names_},
                 }
             )
     return results

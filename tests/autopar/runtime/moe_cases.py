@@ -3,7 +3,9 @@
 Used by ``test_moe.py``: every rank builds the same model (same seed), runs ``STEPS`` AdamW
 steps on it alone (the reference) and on its compiled copy, the loss being cross-entropy
 plus the model's load-balancing loss, and returns the losses, the gathered gradients of the
-first step, the gathered parameters after the last step and the plan's summary.
+first step, the gathered parameters after the last step and the plan's summary. Rank 0
+also trains the reference in float64, which measures the fp32 roundoff the comparison
+allows (``tests.autopar.runtime.closeness``).
 
 A ``drops`` case compiles one MoE layer alone (:class:`SlotsTaken`), whose outputs include
 how many expert slots each token got in the first step: 0 for a token dropped by every
@@ -22,6 +24,7 @@ from torch import nn
 import autopar
 from examples.models import build
 from examples.models.moe import MoE, load_balancing_loss
+from tests.autopar.runtime.closeness import in_float64
 
 STEPS = 2
 D_MODEL = 32  # moe-tiny's width
@@ -96,6 +99,14 @@ def compare(
     for case, name, shape, axes, style, config in cases:
         mesh = autopar.Mesh(shape, axes, device="cpu")
         model, inputs, target = make_case(name, config)
+        if rank == 0:
+            exact, inputs64, target64 = in_float64(model, inputs, target)
+            exact_losses, exact_grads, _ = _train(
+                exact,
+                inputs64,
+                target64,
+                lambda ex=exact: {n: p.grad.clone() for n, p in ex.named_parameters()},
+            )
         reference = copy.deepcopy(model)
         ref_losses, ref_grads, ref_taken = _train(
             reference,
@@ -115,6 +126,7 @@ def compare(
         result: dict[str, Any] = {"case": case, "losses": losses}
         if rank == 0:
             ref_params = dict(reference.named_parameters())
+            exact_params = dict(exact.named_parameters())
             result.update(
                 parallelism=compiled.plan.parallelism.model_dump(),
                 estimate=compiled.plan.estimate.model_dump(),
@@ -127,6 +139,9 @@ def compare(
                 ref_grads={n: ref_grads[n] for n in names},
                 params=params,
                 ref_params={n: ref_params[n].detach() for n in names},
+                exact_losses=exact_losses,
+                exact_grads={n: exact_grads[n] for n in names},
+                exact_params={n: exact_params[n].detach() for n in names},
                 taken=taken,
                 ref_taken=ref_taken,
             )

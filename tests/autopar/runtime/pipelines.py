@@ -5,7 +5,8 @@ batch large enough for the microbatches, runs ``STEPS`` AdamW steps on it alone 
 reference: one forward and backward over the whole batch) and on its compiled copy
 (``compiled.train_step``), and returns the losses, the first step's gradients (gathered over
 each stage's mesh, from the stage that holds each parameter) and the parameters after the
-last step, for the test to compare.
+last step, for the test to compare. Rank 0 also trains the reference in float64, which measures the
+fp32 roundoff the comparison allows (``tests.autopar.runtime.closeness``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 import autopar
 from examples.models import build
+from tests.autopar.runtime.closeness import in_float64
 
 STEPS = 2
 BATCH = 8
@@ -44,6 +46,24 @@ def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
 
 
+def _train_alone(
+    model: torch.nn.Module, tokens: torch.Tensor, target: torch.Tensor
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``STEPS`` steps of the reference (one process, the whole batch at once): the losses
+    and the first step's gradients; the model is left trained."""
+    optimizer = _optimizer(model)
+    losses, first_grads = [], {}
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss = cross_entropy(model(tokens), target)
+        loss.backward()
+        if step == 0:
+            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses, first_grads
+
+
 def compare(
     rank: int, world_size: int, cases: list[tuple[Any, ...]], refuse: bool = False
 ) -> dict[str, Any]:
@@ -55,17 +75,11 @@ def compare(
     for name, layers, shape, names, options in cases:
         mesh = autopar.Mesh(shape, names, device="cpu")
         model, tokens, target = make_case(name, layers)
+        if rank == 0:
+            exact, (tokens64,), target64 = in_float64(model, (tokens,), target)
+            exact_losses, exact_grads = _train_alone(exact, tokens64, target64)
         reference = copy.deepcopy(model)
-        ref_optimizer = _optimizer(reference)
-        ref_losses, ref_grads = [], {}
-        for step in range(STEPS):
-            ref_optimizer.zero_grad()
-            loss = cross_entropy(reference(tokens), target)
-            loss.backward()
-            if step == 0:
-                ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
-            ref_optimizer.step()
-            ref_losses.append(float(loss.detach()))
+        ref_losses, ref_grads = _train_alone(reference, tokens, target)
         compiled = autopar.compile(
             model,
             mesh,
@@ -89,6 +103,7 @@ def compare(
         state = compiled.state_dict()
         if rank == 0:
             ref_params = dict(reference.named_parameters())
+            exact_params = dict(exact.named_parameters())
             results.append(
                 {
                     "case": case_name(name, layers, shape, options),
@@ -99,6 +114,9 @@ def compare(
                     "ref_grads": {n: ref_grads[n] for n in param_names},
                     "params": params,
                     "ref_params": {n: ref_params[n].detach() for n in param_names},
+                    "exact_losses": exact_losses,
+                    "exact_grads": {n: exact_grads[n] for n in param_names},
+                    "exact_params": {n: exact_params[n].detach() for n in param_names},
                     "state_keys": sorted(state),
                     "ref_state_keys": sorted(reference.state_dict()),
                     "code": compiled.code,

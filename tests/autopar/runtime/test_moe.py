@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from autopar.testing.ranks import run_ranks
+from tests.autopar.runtime.closeness import assert_same_training
 from tests.autopar.runtime.moe_cases import compare
 
 # (case id, model, mesh shape, axis names, style, model config)
@@ -85,16 +86,7 @@ def _planned(runs: dict, case: str, expected: dict[str, int], expert_layout: str
 @pytest.mark.parametrize("case", list(WORLD))
 def test_training_equals_single_device(runs: dict, case: str) -> None:
     result, by_rank = _result(runs, case)
-    torch.testing.assert_close(
-        torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]), rtol=1e-4, atol=0
-    )
-    for kind in ("grads", "params"):
-        for name, ref in result[f"ref_{kind}"].items():
-            got = result[kind][name]
-            scale = float(ref.abs().max()) or 1.0
-            torch.testing.assert_close(
-                got, ref, rtol=1e-4, atol=1e-6 * scale, msg=f"{case}: {kind} of {name}"
-            )
+    assert_same_training(result)
     for rank in by_rank[1:]:  # every rank returns the same loss
         assert rank["losses"] == result["losses"]
 

@@ -18,13 +18,13 @@ batch, an unknown schedule, ...) gets one clear error, through ``autopar.plan`` 
 from __future__ import annotations
 
 import pytest
-import torch
 
 import autopar
 from autopar.runtime.pipeline import schedule_to_run
 from autopar.testing.ranks import run_ranks
 from examples.models import build
 from plans.plan import Parallelism
+from tests.autopar.runtime.closeness import assert_same_training
 from tests.autopar.runtime.pipelines import BATCH, case_name, compare, cross_entropy
 
 ON_TWO = [
@@ -104,16 +104,7 @@ def _result(runs: dict[int, list[dict]], case: str) -> tuple[dict, list[dict]]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_train_step_equals_single_device(runs: dict, case: str) -> None:
     result, by_rank = _result(runs, case)
-    torch.testing.assert_close(
-        torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]), rtol=1e-4, atol=0
-    )
-    for kind in ("grads", "params"):
-        for name, ref in result[f"ref_{kind}"].items():
-            got = result[kind][name]
-            scale = float(ref.abs().max()) or 1.0
-            torch.testing.assert_close(
-                got, ref, rtol=1e-4, atol=1e-6 * scale, msg=f"{case}: {kind} of {name}"
-            )
+    assert_same_training(result)
     assert result["state_keys"] == result["ref_state_keys"]
     index = [r["case"] for r in by_rank[0]["cases"]].index(case)
     for rank in by_rank[1:]:  # every rank returns the same loss

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from autopar.testing.ranks import run_ranks
+from tests.autopar.runtime.closeness import assert_same_training
 from tests.autopar.runtime.equivalence import compare
 
 pytestmark = pytest.mark.multirank
@@ -28,19 +29,7 @@ def results() -> dict[str, dict]:
 def test_zero_trains_exactly_like_one_device(results: dict[str, dict], case: str) -> None:
     result = results[case]
     assert result["parallelism"]["zero"] == int(case[-1])
-    torch.testing.assert_close(
-        torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]), rtol=1e-4, atol=0
-    )
-    for kind in ("grads", "params"):
-        for name, ref in result[f"ref_{kind}"].items():
-            scale = float(ref.abs().max()) or 1.0
-            torch.testing.assert_close(
-                result[kind][name],
-                ref,
-                rtol=1e-4,
-                atol=1e-6 * scale,
-                msg=f"{case}: {kind} of {name}",
-            )
+    assert_same_training(result)
 
 
 def test_the_optimizer_holds_a_quarter_of_the_state_under_zero_on_four_data_ranks(
