@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
             out.print(f"warning: {warning}")
         return 0
     model, inputs, _ = build_model(args.model, config)
+    out.print(f"tracing {args.model} ...")
     trace(model, inputs)  # fail here, with one clear message, before starting ranks
     shape = parse_mesh_shape(args.mesh)
     axes = (
