@@ -10,7 +10,8 @@ mesh coordinates ``coords``, a new ``torch.fx.Graph`` in which
 - every op runs on local tensors (``passes.strategies.localize``: local shape arguments, or
   a special local op of ``passes.local_ops``);
 - on every edge where the producer's layout is not the layout the consumer needs, the
-  reshard is emitted: free local steps (slice, zero, pad) as calls into
+  reshard is emitted (``emit_reshard``: the steps of ``plans.reshard.plan_reshard``, which
+  the cost model priced): free local steps (slice, zero, pad) as calls into
   ``passes.local_ops`` with this device's coordinates baked in, collectives as calls to
   submodules named ``<collective>_<axis>`` (``all_gather_tp``) that the runtime provides;
   one reshard per (tensor, layout) is shared by all consumers;
@@ -50,7 +51,8 @@ from passes.strategies.localize import localize
 from passes.strategies.types import Strategy
 from passes.trace import TracedModel
 from plans.mesh import MeshSpec
-from plans.placement import REPLICATE, Layout, Partial, Replicate, Shard, reshard_axiswise
+from plans.placement import REPLICATE, Layout, Partial, Replicate, Shard
+from plans.reshard import AxisStep, plan_reshard
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
@@ -262,60 +264,53 @@ class _Lowering:
         return value
 
     def _reshard(self, x: torch.fx.Node, have: Layout, want: Layout) -> torch.fx.Node:
-        if reshard_axiswise(have, want):
-            return self._reshard_per_axis(x, have, want)
-        # general case: make it whole, then take what is wanted
-        whole = self._reshard_per_axis(x, have, self._replicated())
-        return self._reshard_per_axis(whole, self._replicated(), want)
-
-    def _reshard_per_axis(self, x: torch.fx.Node, have: Layout, want: Layout) -> torch.fx.Node:
-        """The cost model's order: local steps, reduce-scatters, all-to-alls, all-reduces,
-        all-gathers (inner axis first, so a dim split over several axes comes back whole)."""
-        graph = self.out.graph
-        now = list(have)
-        sizes, coords = self.mesh.shape, self.coords
-        for axis in range(len(now)):
-            src, dst = now[axis], want[axis]
-            if isinstance(src, Replicate) and isinstance(dst, Shard):
-                x = graph.call_function(
-                    local_ops.shard_slice, (x, dst.dim, coords[axis], sizes[axis])
-                )
-                now[axis] = dst
-            elif isinstance(src, Replicate) and isinstance(dst, Partial):
-                x = graph.call_function(local_ops.zero_unless_first, (x, coords[axis]))
-                now[axis] = dst
-        for axis in reversed(range(len(now))):  # inner axis first, as all-gathers do
-            src, dst = now[axis], want[axis]
-            if isinstance(src, Shard) and isinstance(dst, Partial):
-                x = graph.call_function(local_ops.zero_pad, (x, src.dim, coords[axis], sizes[axis]))
-                now[axis] = dst
-        for axis in range(len(now)):
-            src, dst = now[axis], want[axis]
-            if isinstance(src, Partial) and isinstance(dst, Shard):
-                x = self._collective("reduce_scatter", axis, x, dst.dim)
-                now[axis] = dst
-        for axis in range(len(now)):
-            src, dst = now[axis], want[axis]
-            if isinstance(src, Shard) and isinstance(dst, Shard) and src != dst:
-                x = self._collective("all_to_all", axis, x, src.dim, dst.dim)
-                now[axis] = dst
-        for axis in range(len(now)):
-            if isinstance(now[axis], Partial) and isinstance(want[axis], Replicate):
-                x = self._collective("all_reduce", axis, x)
-                now[axis] = REPLICATE
-        for axis in reversed(range(len(now))):
-            src = now[axis]
-            if isinstance(src, Shard) and isinstance(want[axis], Replicate):
-                x = self._collective("all_gather", axis, x, src.dim)
-                now[axis] = REPLICATE
-        assert Layout(*now) == want, f"reshard {have} -> {want} ended at {Layout(*now)}"
-        return x
+        return emit_reshard(
+            self.out.graph, x, have, want, self.coords, self.mesh.shape, self._collective
+        )
 
     def _collective(self, kind: str, axis: int, *args: Any) -> torch.fx.Node:
         name = f"{kind}_{self.mesh.axis_names[axis]}"
         self.out.collectives[name] = (kind, axis)
         self.out.counts[kind] = self.out.counts.get(kind, 0) + 1
         return self.out.graph.call_module(name, args)
+
+
+def emit_reshard(
+    graph: torch.fx.Graph,
+    x: torch.fx.Node,
+    have: Layout,
+    want: Layout,
+    coords: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    collective: Callable[..., torch.fx.Node],
+) -> torch.fx.Node:
+    """Append to ``graph`` what the device at ``coords`` runs to turn ``x`` from ``have``
+    into ``want``: the planner's steps (``plans.reshard``), the ones the cost model priced.
+    ``collective(kind, axis, x, *dims)`` adds a collective's node."""
+    if any(isinstance(p, Partial) and p.reduce_op != "sum" for p in (*have, *want)):
+        raise NotImplementedError(f"only partial sums are lowered, not {have} -> {want}")
+    for step in plan_reshard(have, want):
+        if step.local:
+            fn, args = local_step(step, coords, mesh_shape)
+            x = graph.call_function(fn, (x, *args))
+        else:
+            x = collective(step.kind, step.axis, x, *step.dims)
+    return x
+
+
+def local_step(
+    step: AxisStep, coords: tuple[int, ...], mesh_shape: tuple[int, ...]
+) -> tuple[Callable[..., torch.Tensor], tuple[int, ...]]:
+    """The ``local_ops`` function and its arguments after the tensor that the device at
+    ``coords`` runs for a local reshard step (slice, zero or pad)."""
+    axis = step.axis
+    if step.kind == "slice":
+        return local_ops.shard_slice, (step.dims[0], coords[axis], mesh_shape[axis])
+    if step.kind == "pad":
+        return local_ops.zero_pad, (step.dims[0], coords[axis], mesh_shape[axis])
+    if step.kind == "zero":
+        return local_ops.zero_unless_first, (coords[axis],)
+    raise ValueError(f"{step.kind} is not a local step")
 
 
 def local_shard(

@@ -25,7 +25,6 @@ from plans.placement import (
     format_spec,
     layout_from_spec,
     parse_placement,
-    reshard_axiswise,
     spec_from_layout,
 )
 from plans.plan import (
@@ -80,7 +79,6 @@ __all__ = [
     "parse_mesh_shape",
     "parse_placement",
     "plan_from_dict",
-    "reshard_axiswise",
     "save_plan",
     "spec_from_layout",
 ]

@@ -300,35 +300,3 @@ def format_spec(layout: Layout, axis_names: Sequence[str], ndim: int) -> str:
     if partial:
         text += " partial(" + ",".join(partial) + ")"
     return text
-
-
-def reshard_axiswise(have: Layout, want: Layout) -> bool:
-    """Whether ``have -> want`` can go axis by axis (slices and reduce-scatters, then
-    all-to-alls, all-reduces, all-gathers from the inner axis out).
-
-    A dim split by several mesh axes is split by the outer axis first (DTensor's order). Axis
-    by axis, a dim can gain splitting axes or lose them, but only at the inner end: every
-    axis it gains must be inside every axis that keeps splitting it, and likewise every axis
-    it loses; a dim that both gains and loses axes (``[R, S(1)] -> [S(1), R]``) would end
-    with its pieces nested the wrong way. An all-to-all moves one axis from one dim to
-    another; it needs every other axis that splits either dim to be outer to it. Otherwise
-    the tensor is made whole first and cut again.
-    """
-    for axis, (src, dst) in enumerate(zip(have, want, strict=True)):
-        if isinstance(src, Shard) and isinstance(dst, Shard) and src != dst:
-            for other, placements in enumerate(zip(have, want, strict=True)):
-                if other > axis and any(
-                    isinstance(p, Shard) and p.dim in (src.dim, dst.dim) for p in placements
-                ):
-                    return False
-    for dim in {p.dim for p in (*have, *want) if isinstance(p, Shard)}:
-        before = {a for a, p in enumerate(have) if isinstance(p, Shard) and p.dim == dim}
-        after = {a for a, p in enumerate(want) if isinstance(p, Shard) and p.dim == dim}
-        kept = before & after
-        gained, lost = after - kept, before - kept
-        if gained and lost:
-            return False
-        changed = gained or lost
-        if changed and kept and min(changed) < max(kept):
-            return False
-    return True

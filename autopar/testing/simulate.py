@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from passes.from_plan import PlanLayouts
-from passes.lower_spmd import local_shard, lower_spmd
+from passes.lower_spmd import emit_reshard, local_shard, lower_spmd
 from passes.trace import TracedModel
 from plans.placement import Layout, Partial, Replicate, Shard
 from plans.plan import Plan
@@ -45,18 +45,26 @@ class _SimCollective(nn.Module):
 
     def forward(self, x: torch.Tensor, *dims: int) -> torch.Tensor:
         parts = self.exchange.gather(self.rank, x)
-        index = self.exchange.members.index(self.rank)
-        n = len(parts)
-        if self.kind == "all_reduce":
-            return torch.stack(parts).sum(0)
-        if self.kind == "all_gather":
-            return torch.cat(parts, dim=dims[0])
-        if self.kind == "reduce_scatter":
-            return torch.stack(parts).sum(0).chunk(n, dim=dims[0])[index]
-        if self.kind == "all_to_all":
-            src, dst = dims
-            return torch.cat([p.chunk(n, dim=dst)[index] for p in parts], dim=src)
-        raise ValueError(self.kind)
+        return collective_result(self.kind, parts, self.exchange.members.index(self.rank), dims)
+
+
+def collective_result(
+    kind: str, parts: list[torch.Tensor], index: int, dims: tuple[int, ...]
+) -> torch.Tensor:
+    """What member ``index`` of a group receives from collective ``kind`` over the members'
+    ``parts``, with the dims the lowering passes it (gather/scatter dim; all-to-all: from,
+    to)."""
+    n = len(parts)
+    if kind == "all_reduce":
+        return torch.stack(parts).sum(0)
+    if kind == "all_gather":
+        return torch.cat(parts, dim=dims[0])
+    if kind == "reduce_scatter":
+        return torch.stack(parts).sum(0).chunk(n, dim=dims[0])[index]
+    if kind == "all_to_all":
+        src, dst = dims
+        return torch.cat([p.chunk(n, dim=dst)[index] for p in parts], dim=src)
+    raise ValueError(kind)
 
 
 def simulate(
@@ -209,3 +217,55 @@ def _assemble(
         return torch.stack(parts).sum(0)  # type: ignore[arg-type]
     assert isinstance(placement, Replicate)
     return parts[0]
+
+
+class _Program:
+    """One device's emitted reshard, as the calls ``emit_reshard`` appends (it takes this in
+    place of an ``fx.Graph``): each call's value is its index; ``-1`` is the input."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, tuple[Any, ...]]] = []
+
+    def call_function(self, fn: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> int:
+        self.calls.append((fn, args))
+        return len(self.calls) - 1
+
+    def collective(self, kind: str, axis: int, x: int, *dims: int) -> int:
+        self.calls.append(((kind, axis), (x, *dims)))
+        return len(self.calls) - 1
+
+
+def simulate_reshard(
+    pieces: dict[tuple[int, ...], torch.Tensor],
+    have: Layout,
+    want: Layout,
+    mesh_shape: tuple[int, ...],
+) -> dict[tuple[int, ...], torch.Tensor]:
+    """Every device's result of the lowered reshard ``have -> want`` of its piece.
+
+    Each device's program is emitted by the lowering (``emit_reshard``, its coordinates
+    baked in), and all run in lockstep, call by call, a collective meeting the same call of
+    the other devices along its axis."""
+    devices = sorted(pieces)
+    programs: dict[tuple[int, ...], _Program] = {}
+    for coords in devices:
+        program = _Program()
+        emit_reshard(program, -1, have, want, coords, mesh_shape, program.collective)  # type: ignore[arg-type]
+        programs[coords] = program
+    values = {c: {-1: pieces[c]} for c in devices}
+    for index in range(len(programs[devices[0]].calls)):
+        for coords in devices:
+            fn, (x, *args) = programs[coords].calls[index]
+            if callable(fn):
+                values[coords][index] = fn(values[coords][x], *args)
+        for coords in devices:
+            what, (x, *dims) = programs[coords].calls[index]
+            if callable(what):
+                continue
+            kind, axis = what
+            line = coords[:axis] + coords[axis + 1 :]
+            group = [c for c in devices if c[:axis] + c[axis + 1 :] == line]
+            parts = [values[c][x] for c in group]
+            values[coords][index] = collective_result(kind, parts, group.index(coords), tuple(dims))
+    last = len(programs[devices[0]].calls) - 1
+    return {c: values[c][last] for c in devices}

@@ -11,7 +11,6 @@ from plans import (
     format_spec,
     layout_from_spec,
     parse_placement,
-    reshard_axiswise,
     spec_from_layout,
 )
 
@@ -73,22 +72,3 @@ def test_local_shape_and_divisibility():
     assert layout.divides((8, 6), (2, 4))
     assert not layout.divides((6, 6), (2, 4))
     assert Layout(Shard(1), Replicate()).local_shape((8, 6), (2, 4)) == (8, 3)
-
-
-@pytest.mark.parametrize(
-    ("have", "want", "axiswise"),
-    [
-        ((Shard(1), Replicate()), (Shard(1), Shard(1)), True),  # dim 1 gains an inner axis
-        ((Shard(0), Shard(0)), (Shard(0), Replicate()), True),  # loses its inner axis
-        ((Replicate(), Shard(1)), (Shard(1), Replicate()), False),  # gains outer, loses inner
-        ((Replicate(), Shard(1)), (Shard(1), Shard(1)), False),  # gains an outer axis
-        ((Shard(0), Shard(0)), (Replicate(), Shard(0)), False),  # loses its outer axis
-        ((Shard(0), Replicate()), (Replicate(), Shard(1)), True),  # different dims
-        ((Shard(1), Shard(0)), (Shard(1), Shard(1)), True),  # all-to-all nested inside axis 0
-        ((Shard(0), Shard(1)), (Shard(1), Shard(1)), False),  # all-to-all outside axis 1
-        ((Shard(1), Shard(1)), (Shard(2), Shard(2)), False),  # two all-to-alls, nested dims
-        ((Replicate(), Shard(0)), (Replicate(), Shard(1)), True),  # one clean all-to-all
-    ],
-)
-def test_reshard_axis_by_axis_only_where_pieces_keep_their_nesting(have, want, axiswise):
-    assert reshard_axiswise(Layout(*have), Layout(*want)) is axiswise
