@@ -72,19 +72,6 @@ def assert_trains_alike(
         )
 
 
-def noise_ratio(
-    got: torch.Tensor | Sequence[float],
-    single: torch.Tensor | Sequence[float],
-    exact: torch.Tensor | Sequence[float],
-) -> float:
-    """The compiled run's largest distance from float64 over the single device's (for
-    measuring ``NOISE_FACTOR``; inf where the single device's roundoff is zero)."""
-    got, single, exact = (torch.as_tensor(t, dtype=torch.float64) for t in (got, single, exact))
-    noise = float((single - exact).abs().max())
-    error = float((got - exact).abs().max())
-    return error / noise if noise else (0.0 if error == 0 else float("inf"))
-
-
 def in_float64(
     model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor
 ) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor]:

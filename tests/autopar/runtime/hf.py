@@ -11,6 +11,17 @@ import torch.nn.functional as F
 import autopar
 from tests.autopar.runtime.closeness import in_float64
 
+# the sizes every tiny Llama-family decoder here is built with
+TINY_DECODER: dict[str, Any] = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "use_cache": False,
+}
+
 
 def make(kind: str) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -37,33 +48,12 @@ def make(kind: str) -> torch.nn.Module:
     if kind == "gemma2":
         from transformers import Gemma2Config, Gemma2ForCausalLM
 
-        # rotary embeddings' rotate_half is a cat of two halves of the head dim, which
-        # reshards [S(0), S(0)] -> [P, S(1)]-style layouts on a 2 x 2 mesh
+        # rotary embeddings (rotate_half: a cat of the head dim's two halves), logit
+        # soft-capping and sliding-window layers
         return Gemma2ForCausalLM(
-            Gemma2Config(
-                vocab_size=64,
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=8,
-                sliding_window=8,
-                max_position_embeddings=64,
-                use_cache=False,
-            )
+            Gemma2Config(head_dim=8, sliding_window=8, max_position_embeddings=64, **TINY_DECODER)
         )
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            use_cache=False,
-        )
-    )
+    return LlamaForCausalLM(LlamaConfig(**TINY_DECODER))
 
 
 def logits(output: Any) -> torch.Tensor:

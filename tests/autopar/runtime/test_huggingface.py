@@ -10,7 +10,7 @@ from autopar.testing.ranks import run_ranks
 from passes.strategies.graph import graph_choices
 from passes.trace import trace
 from tests.autopar.runtime.closeness import assert_same_training
-from tests.autopar.runtime.hf import compare_hf, make
+from tests.autopar.runtime.hf import TINY_DECODER, compare_hf, make
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral", "gemma2"])
@@ -18,17 +18,7 @@ def test_every_op_of_a_huggingface_decoder_has_a_rule(kind: str) -> None:
     if kind == "mistral":
         from transformers import MistralConfig, MistralForCausalLM
 
-        model = MistralForCausalLM(
-            MistralConfig(
-                vocab_size=64,
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                use_cache=False,
-            )
-        )
+        model = MistralForCausalLM(MistralConfig(**TINY_DECODER))
     else:
         model = make(kind)
     traced = trace(model, (torch.randint(0, 64, (4, 16)),), {"use_cache": False})
