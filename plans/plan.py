@@ -14,6 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from plans.ledger import CommEntry
 from plans.mesh import MeshSpec
 from plans.placement import Layout
 
@@ -89,6 +90,11 @@ class Estimate(_Frozen):
         default_factory=dict,
         description="comm_bytes_per_step by kind: each collective kind's bytes (forward and "
         "backward reshards), and 'gradient_sync'.",
+    )
+    comm: tuple[CommEntry, ...] = Field(
+        (),
+        description="The ledger: every collective a step issues (plans.ledger), which the "
+        "runtime's own count (CompiledModel.observed_collectives) is held to.",
     )
 
 

@@ -20,6 +20,9 @@ in the boundary's scale instead; ``runtime.output_boundary``).
 gloo has no reduce-scatter, and its all-to-all wants lists; on gloo both are built from
 the collectives it has (all-reduce then a local slice; all-gather then a local slice). They
 move more bytes but give the same values, which is what CPU tests need.
+
+Every function here runs on an ``AxisGroup`` (``runtime.comm``) and records the collective
+it stands for once, in the plan's terms, whatever gloo runs in its place.
 """
 
 from __future__ import annotations
@@ -31,50 +34,50 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.runtime.comm import AxisGroup
 from autopar.runtime.pending import DeferredAllReduce
 
-Group = dist.ProcessGroup
+Group = AxisGroup
 
 
-def _gloo(group: Group) -> bool:
-    return dist.get_backend(group) == "gloo"
-
-
-def all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    n = dist.get_world_size(group)
+def all_gather(x: torch.Tensor, dim: int, group: Group, phase: str | None = None) -> torch.Tensor:
+    n = group.size
     x = x.contiguous()
-    if _gloo(group):
+    if group.gloo:
         parts = [torch.empty_like(x) for _ in range(n)]
-        dist.all_gather(parts, x, group=group)
-        return torch.cat(parts, dim=dim)
+        dist.all_gather(parts, x, group=group.pg)
+        out = torch.cat(parts, dim=dim)
+        group.record("all_gather", out, phase)
+        return out
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, moved, group=group)
+    group.record("all_gather", out, phase)
+    dist.all_gather_into_tensor(out, moved, group=group.pg)
     return out.movedim(0, dim)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    n = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    if _gloo(group):
+    n, rank = group.size, group.rank
+    group.record("reduce_scatter", x)
+    if group.gloo:
         total = x.contiguous().clone()
-        dist.all_reduce(total, group=group)
+        dist.all_reduce(total, group=group.pg)
         return total.chunk(n, dim=dim)[rank].contiguous()
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, moved, group=group)
+    dist.reduce_scatter_tensor(out, moved, group=group.pg)
     return out.movedim(0, dim)
 
 
 def all_gather_rows(flat: torch.Tensor, group: Group) -> torch.Tensor:
     """Every device's 1-D ``flat`` as the rows of one ``[n, numel]`` tensor (row i from
     device i): one collective for many parameters' shards laid end to end (FSDP)."""
-    n = dist.get_world_size(group)
-    out = torch.empty((n, flat.numel()), dtype=flat.dtype, device=flat.device)
-    if _gloo(group):
-        dist.all_gather(list(out.unbind(0)), flat, group=group)
+    out = torch.empty((group.size, flat.numel()), dtype=flat.dtype, device=flat.device)
+    group.record("all_gather", out)
+    if group.gloo:
+        dist.all_gather(list(out.unbind(0)), flat, group=group.pg)
     else:
-        dist.all_gather_into_tensor(out, flat, group=group)
+        dist.all_gather_into_tensor(out, flat, group=group.pg)
     return out
 
 
@@ -91,12 +94,13 @@ def start_reduce_scatter_rows(
 ) -> tuple[dist.Work, Callable[[], torch.Tensor]]:
     """``reduce_scatter_rows`` launched without waiting: the work to wait on, and what
     gives the result once it is done."""
-    if _gloo(group):
-        work = dist.all_reduce(rows, group=group, async_op=True)
+    group.record("reduce_scatter", rows)
+    if group.gloo:
+        work = dist.all_reduce(rows, group=group.pg, async_op=True)
         # cloned once done, not a view: it must not keep all rows
-        return work, rows[dist.get_rank(group)].clone
+        return work, rows[group.rank].clone
     out = torch.empty(rows.shape[1:], dtype=rows.dtype, device=rows.device)
-    work = dist.reduce_scatter_tensor(out, rows, group=group, async_op=True)
+    work = dist.reduce_scatter_tensor(out, rows, group=group.pg, async_op=True)
     return work, lambda: out
 
 
@@ -112,21 +116,23 @@ def unflatten(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor
 
 def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=group)
+    group.all_reduce(out)
     return out
 
 
 def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: Group) -> torch.Tensor:
     """Shard(src_dim) -> Shard(dst_dim): split ``dst_dim`` into n pieces, send piece j to
     device j, concatenate what arrives along ``src_dim``."""
-    n = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    if _gloo(group):
-        whole = all_gather(x, src_dim, group)
+    n, rank = group.size, group.rank
+    group.record("all_to_all", x)
+    if group.gloo:
+        parts = [torch.empty_like(x.contiguous()) for _ in range(n)]
+        dist.all_gather(parts, x.contiguous(), group=group.pg)
+        whole = torch.cat(parts, dim=src_dim)
         return whole.chunk(n, dim=dst_dim)[rank].contiguous()
     sends = [p.contiguous() for p in x.chunk(n, dim=dst_dim)]
     receives = [torch.empty_like(sends[0]) for _ in range(n)]
-    dist.all_to_all(receives, sends, group=group)
+    dist.all_to_all(receives, sends, group=group.pg)
     return torch.cat(receives, dim=src_dim)
 
 
@@ -193,7 +199,7 @@ class Collective(nn.Module):
         self.axis_name = axis_name
 
     def extra_repr(self) -> str:
-        return f"axis={self.axis_name!r}, devices={dist.get_world_size(self.group)}"
+        return f"axis={self.axis_name!r}, devices={self.group.size}"
 
 
 class AllGather(Collective):

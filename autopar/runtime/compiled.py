@@ -55,6 +55,7 @@ from torch.utils import _pytree as pytree
 from autopar.runtime import checkpoint
 from autopar.runtime.aligned_linear import align_linears
 from autopar.runtime.collectives import MODULES
+from autopar.runtime.comm import AxisGroup, Call, CommLog
 from autopar.runtime.fused_projection import fuse_projections
 from autopar.runtime.grad_sync import GradientSync
 from autopar.runtime.groups import axis_groups
@@ -77,6 +78,7 @@ from passes.lower_stages import StageProgram, holders, iter_stage_codes, locate,
 from passes.lower_stages import stage_mesh as plan_stage_mesh
 from passes.trace import TracedModel
 from plans.errors import UsageError
+from plans.ledger import CommCount, CommKey
 from plans.placement import Layout, Replicate
 from plans.plan import Plan
 
@@ -140,6 +142,8 @@ class CompiledModel(nn.Module):
         super().__init__()
         rank = dist.get_rank()
         self.plan = plan
+        # every collective this model issues is recorded here (runtime.comm)
+        self._comm = CommLog()
         # the mesh the plan's layouts are on: one pipeline stage's mesh, or the whole mesh
         self.mesh = plan_stage_mesh(plan)
         self.device = device
@@ -159,6 +163,7 @@ class CompiledModel(nn.Module):
             self.coords = place.coords
             self._pipeline_mesh = device_mesh  # (pp, *stage mesh)
             self.device_mesh = device_mesh[self.mesh.axis_names]  # this stage's mesh
+            self._pp_axis = pipeline_mesh_spec(plan).axis_names[0]
         else:
             self.stage = 0
             self.coords = self.mesh.coordinates(rank)
@@ -197,8 +202,16 @@ class CompiledModel(nn.Module):
             (name, _shape_of(traced, name), layouts.inputs[name]) for name in traced.user_inputs
         ]
         self._buffer_meta = _buffer_meta(model, whole, self.precision.params)
+        world_axes = pipeline_mesh_spec(plan).axis_names if self.pipelined else self.mesh.axis_names
+        self._world = AxisGroup(dist.group.WORLD, tuple(world_axes), self._comm)
+        self._mesh_groups = [
+            AxisGroup(self.device_mesh.get_group(axis), (axis_name,), self._comm)
+            for axis, axis_name in enumerate(self.mesh.axis_names)
+        ]
         self._sync_axis_groups = (
-            axis_groups(pipeline_mesh_spec(plan))[1:] if self.pipelined else axis_groups(self.mesh)
+            axis_groups(pipeline_mesh_spec(plan), self._comm)[1:]
+            if self.pipelined
+            else axis_groups(self.mesh, self._comm)
         )
         zero: list[ZeroParam] = []
         tree = self._build_tree(model, traced, whole, zero, graphs)
@@ -236,9 +249,11 @@ class CompiledModel(nn.Module):
         plan = self.plan
         per_stage = self.mesh.size
         local_rank = dist.get_rank() - self.stage * per_stage
-        self._tied = TiedGradients(self._holders, self.stage, per_stage, local_rank)
+        self._tied = TiedGradients(
+            self._holders, self.stage, per_stage, local_rank, self._pp_axis, self._comm
+        )
         self._sync.enabled = False  # every microbatch's backward adds in: sync_all after
-        self._pp_group = self._pipeline_mesh.get_group(0)
+        self._pp_group = AxisGroup(self._pipeline_mesh.get_group(0), (self._pp_axis,), self._comm)
         self._runner: PipelineRunner | None = None
         if self._loss_fn is None:
             return
@@ -261,7 +276,7 @@ class CompiledModel(nn.Module):
             plan,
             list(zip(self._stage_programs, modules, strict=True)),
             metas,
-            self._pp_group,
+            self._pp_group.pg,
             self.device,
             loss,
         )
@@ -289,7 +304,8 @@ class CompiledModel(nn.Module):
             full = full_params[name].detach().to(device)
             if name in self._reshaped:
                 full = full.reshape(self._reshaped[name][1])
-            dist.broadcast(full, src=0)  # every rank starts from rank 0's weights, as DDP
+            # every rank starts from rank 0's weights, as DDP
+            self._world.broadcast(full, group_src=0, phase="state")
             if target not in lowered.params:
                 continue  # another pipeline stage holds it
             local = local_shard(full, self.plan.params[name].param, self.coords, mesh.shape)
@@ -310,7 +326,7 @@ class CompiledModel(nn.Module):
         for target, name in lowered.constants.items():
             _set_attr(tree, target, constants[name].detach().to(device), "constant")
         for module_name, (kind, axis) in lowered.collectives.items():
-            group = self.device_mesh.get_group(axis)
+            group = self._mesh_groups[axis]
             _set_attr(tree, module_name, MODULES[kind](group, mesh.axis_names[axis]), "module")
         return tree
 
@@ -363,7 +379,7 @@ class CompiledModel(nn.Module):
         for target, name in self.lowered.params.items():
             yield name, self.program.get_parameter(target)
 
-    def _sync_groups(self, name: str) -> tuple[dist.ProcessGroup, ...]:
+    def _sync_groups(self, name: str) -> tuple[AxisGroup, ...]:
         layout = self.plan.params[name].param
         groups = self._sync_axis_groups
         return tuple(
@@ -475,9 +491,28 @@ class CompiledModel(nn.Module):
                 f"targets of shape {got}: train_step takes the targets of the whole batch "
                 f"of {total} (dim 0)"
             )
+        self._comm.clear()
         if self.pipelined:
             return self._pipeline_step(leaves, batch_major, targets)
         return self._accumulate(leaves, spec, batch_major, targets)
+
+    # ---- what ran ------------------------------------------------------------------
+    def observed_collectives(self) -> dict[CommKey, CommCount]:
+        """The collectives this rank issued in the last step, as calls and bytes per
+        (kind, mesh axes, dtype): the terms of the plan's ledger
+        (``plans.ledger.tally_entries(plan.estimate.comm)``). A step starts when
+        ``train_step`` is called, or in a loop of your own when you call
+        ``reset_observed()`` before its forward. Gathers for ``state_dict`` and
+        ``full_parameter`` are not part of a step and are left out."""
+        return self._comm.counts()
+
+    def observed_calls(self) -> list[Call]:
+        """Every collective since the step started, in order, with its phase."""
+        return list(self._comm.calls)
+
+    def reset_observed(self) -> None:
+        """Start counting a new step (``observed_collectives``)."""
+        self._comm.clear()
 
     def _check_batch_input(self, index: int, value: Any) -> bool:
         """Whether input ``index`` is split into microbatches (dim 0 the global batch)."""
@@ -505,6 +540,7 @@ class CompiledModel(nn.Module):
         try:
             for i in range(m):
                 self._sync.enabled = i == m - 1  # as DDP's no_sync, but the last
+                self._zero.accumulating = i < m - 1  # ZeRO-1 likewise
                 part = slice(i * size, (i + 1) * size)
                 pieces = [
                     leaf[part] if split else leaf
@@ -516,6 +552,7 @@ class CompiledModel(nn.Module):
                 total += loss.detach().float()
         finally:
             self._sync.enabled = True
+            self._zero.accumulating = False
         return total
 
     def _pipeline_step(
@@ -535,7 +572,7 @@ class CompiledModel(nn.Module):
         self._tied.sum(self._grad_of)
         last = self.plan.parallelism.pp - 1
         shared = loss if loss is not None else torch.zeros((), device=self.device)
-        dist.broadcast(shared, group=self._pp_group, group_src=last)
+        self._pp_group.broadcast(shared, group_src=last, phase="step")
         return shared
 
     def _prepare_value(self, value: Any) -> Any:
@@ -631,7 +668,7 @@ class CompiledModel(nn.Module):
         whole = None
         if self.holds(canonical):
             local = self._local_value(canonical)
-            whole = gather_full(local, self.param_layout(canonical), self.device_mesh)
+            whole = gather_full(local, self.param_layout(canonical), self._mesh_groups)
         whole = self._from_holder(whole, self._param_holder(canonical), canonical)
         assert whole is not None
         return whole.reshape(self.user_shape(canonical))
@@ -646,7 +683,7 @@ class CompiledModel(nn.Module):
             else:
                 grad = self._local_param(canonical).grad
             if grad is not None:
-                whole = gather_full(grad.detach(), self.param_layout(canonical), self.device_mesh)
+                whole = gather_full(grad.detach(), self.param_layout(canonical), self._mesh_groups)
         whole = self._from_holder(whole, self._param_holder(canonical), canonical)
         return None if whole is None else whole.reshape(self.user_shape(canonical))
 
@@ -662,7 +699,7 @@ class CompiledModel(nn.Module):
             return whole
         mine = self.stage == holder
         flag = torch.tensor([int(mine and whole is not None)], device=self.device)
-        dist.broadcast(flag, group=self._pp_group, group_src=holder)
+        self._pp_group.broadcast(flag, group_src=holder, phase="state")
         if not int(flag.item()):
             return None
         if mine:
@@ -671,7 +708,7 @@ class CompiledModel(nn.Module):
         else:
             dtype = self.precision.params or getattr(torch, self.plan.params[canonical].dtype)
             value = torch.empty(self.param_shape(canonical), dtype=dtype, device=self.device)
-        dist.broadcast(value, group=self._pp_group, group_src=holder)
+        self._pp_group.broadcast(value, group_src=holder, phase="state")
         return value
 
     def _full_buffer(self, source: str) -> torch.Tensor:
@@ -685,7 +722,7 @@ class CompiledModel(nn.Module):
             if self.stage == holder
             else torch.empty(shape, dtype=dtype, device=self.device)
         )
-        dist.broadcast(value, group=self._pp_group, group_src=holder)
+        self._pp_group.broadcast(value, group_src=holder, phase="state")
         return value
 
     # ---- state: whole tensors -------------------------------------------------------

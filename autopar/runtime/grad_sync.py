@@ -24,16 +24,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from autopar.runtime.collectives import unflatten
+from autopar.runtime.comm import AxisGroup
+from plans.buckets import ddp_buckets
 
 
 @dataclass
 class _Bucket:
     params: list[nn.Parameter]
-    groups: tuple[dist.ProcessGroup, ...]
+    groups: tuple[AxisGroup, ...]
     ready: int = 0
     handles: list[Any] = field(default_factory=list)
     flat: torch.Tensor | None = None
@@ -44,30 +45,19 @@ class GradientSync:
 
     def __init__(
         self,
-        params: Sequence[tuple[nn.Parameter, tuple[dist.ProcessGroup, ...]]],
+        params: Sequence[tuple[nn.Parameter, tuple[AxisGroup, ...]]],
         bucket_bytes: int = 25 * 2**20,
         first_bucket_bytes: int = 2**20,
     ) -> None:
-        self.buckets: list[_Bucket] = []
-        by_groups: dict[tuple[Any, ...], list[nn.Parameter]] = {}
-        groups_of: dict[tuple[Any, ...], tuple[dist.ProcessGroup, ...]] = {}
-        for param, groups in reversed(list(params)):
-            if not groups:
-                continue
-            key = (*(id(g) for g in groups), param.dtype, param.device)
-            by_groups.setdefault(key, []).append(param)
-            groups_of[key] = groups
-        for key, members in by_groups.items():
-            current: list[nn.Parameter] = []
-            size, cap = 0, first_bucket_bytes
-            for param in members:
-                current.append(param)
-                size += param.numel() * param.element_size()
-                if size >= cap:
-                    self.buckets.append(_Bucket(current, groups_of[key]))
-                    current, size, cap = [], 0, bucket_bytes
-            if current:
-                self.buckets.append(_Bucket(current, groups_of[key]))
+        synced = [(p, groups) for p, groups in reversed(list(params)) if groups]
+        items = [
+            ((*(id(g) for g in groups), p.dtype, p.device), p.numel() * p.element_size())
+            for p, groups in synced
+        ]
+        self.buckets = [
+            _Bucket([synced[i][0] for i in bucket], synced[bucket[0]][1])
+            for bucket in ddp_buckets(items, bucket_bytes, first_bucket_bytes)
+        ]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._queued = False
         # off: backward leaves partial gradients alone (gradient accumulation: only the
@@ -94,7 +84,7 @@ class GradientSync:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
         bucket.flat = torch.cat([g.reshape(-1) for g in grads])
         # The first axis overlaps with backward; further axes (rare) follow at the end.
-        bucket.handles = [dist.all_reduce(bucket.flat, group=bucket.groups[0], async_op=True)]
+        bucket.handles = [bucket.groups[0].all_reduce(bucket.flat, async_op=True)]
 
     def _finish(self) -> None:
         for bucket in self.buckets:
@@ -104,7 +94,7 @@ class GradientSync:
                 handle.wait()
             if bucket.flat is not None:
                 for group in bucket.groups[1:]:
-                    dist.all_reduce(bucket.flat, group=group)
+                    group.all_reduce(bucket.flat)
                 sums = unflatten(bucket.flat, [param.shape for param in bucket.params])
                 for param, synced in zip(bucket.params, sums, strict=True):
                     param.grad = synced

@@ -13,16 +13,18 @@ import itertools
 
 import torch.distributed as dist
 
+from autopar.runtime.comm import AxisGroup, CommLog
 from plans.mesh import MeshSpec
 
 
-def axis_groups(mesh: MeshSpec) -> list[dist.ProcessGroup | None]:
-    """For each mesh axis, a new group holding this rank and the ranks along that axis.
+def axis_groups(mesh: MeshSpec, log: CommLog) -> list[AxisGroup | None]:
+    """For each mesh axis, a new group holding this rank and the ranks along that axis,
+    recording its collectives in ``log``.
 
     Every rank creates every group (``new_group`` is collective), in the same order.
     """
     rank = dist.get_rank()
-    mine: list[dist.ProcessGroup | None] = [None] * mesh.ndim
+    mine: list[AxisGroup | None] = [None] * mesh.ndim
     strides = [1] * mesh.ndim
     for axis in reversed(range(mesh.ndim - 1)):
         strides[axis] = strides[axis + 1] * mesh.shape[axis + 1]
@@ -36,5 +38,5 @@ def axis_groups(mesh: MeshSpec) -> list[dist.ProcessGroup | None]:
                 ranks.append(sum(c * s for c, s in zip(coords, strides, strict=True)))
             group = dist.new_group(ranks)
             if rank in ranks:
-                mine[axis] = group
+                mine[axis] = AxisGroup(group, (mesh.axis_names[axis],), log)
     return mine

@@ -31,7 +31,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import fx
 
 from autopar.runtime.collectives import (
@@ -74,7 +73,7 @@ def gather_group(
 ) -> list[torch.Tensor]:
     """Each shard all-gathered along its dim, in one collective: the shards laid end to end
     in one flat buffer, gathered as rows (one per device), each whole copied out of them."""
-    n = dist.get_world_size(group)
+    n = group.size
     flat = torch.cat([shard.detach().reshape(-1) for shard in shards])
     rows = all_gather_rows(flat, group)  # [n, sum of shard numels]
     wholes = []
@@ -111,7 +110,7 @@ def scatter_rows(
 ) -> torch.Tensor:
     """The ``[n, numel]`` rows that ``reduce_scatter_group`` sums: row ``r`` holds every
     gradient's ``r``-th piece along its dim (of ``shapes``), end to end."""
-    n = dist.get_world_size(group)
+    n = group.size
     spans = _offsets(shapes)
     rows = torch.empty((n, spans[-1][1]), dtype=like.dtype, device=like.device)
     for grad, shape, dim, (start, stop) in zip(grads, shapes, dims, spans, strict=True):

@@ -20,8 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils import _pytree as pytree
+
+from autopar.runtime.comm import AxisGroup
 
 aten = torch.ops.aten
 
@@ -94,9 +95,9 @@ class DeferredAllReduce(torch.autograd.Function):
     all-reduce that skips its adjoint, ``runtime.output_boundary``)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
         buffer = x.detach().clone(memory_format=torch.contiguous_format)
-        return PendingSum(buffer, dist.all_reduce(buffer, group=group, async_op=True))
+        return PendingSum(buffer, group.all_reduce(buffer, async_op=True))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:

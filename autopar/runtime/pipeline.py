@@ -40,6 +40,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from autopar.runtime.comm import AxisGroup, CommLog
 from passes.lower_spmd import LoweredGraph, local_shard
 from passes.lower_stages import StageProgram, stage_mesh
 from passes.trace import TracedModel
@@ -262,8 +263,11 @@ class TiedGradients:
         stage: int,
         per_stage: int,
         local_rank: int,
+        axis: str,
+        log: CommLog,
     ) -> None:
-        self.groups: dict[str, dist.ProcessGroup] = {}
+        """``axis``: the pipeline axis's name, ``log`` where the sums are recorded."""
+        self.groups: dict[str, AxisGroup] = {}
         made: dict[tuple[int, ...], list[dist.ProcessGroup | None]] = {}
         for stages in sorted({h for h in holders.values() if len(h) > 1}):
             made[stages] = []
@@ -275,13 +279,13 @@ class TiedGradients:
             if len(stages) > 1 and stage in stages:
                 group = made[stages][local_rank]
                 assert group is not None
-                self.groups[name] = group
+                self.groups[name] = AxisGroup(group, (axis,), log)
 
     def sum(self, grad_of: Callable[[str], torch.Tensor | None]) -> None:
         for name in sorted(self.groups):
             grad = grad_of(name)
             if grad is not None:
-                dist.all_reduce(grad, group=self.groups[name])
+                self.groups[name].all_reduce(grad, phase="step")
 
 
 def microbatch_loss(

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from autopar.runtime.collectives import all_gather
+from autopar.runtime.comm import AxisGroup
 
-Gather = tuple[int, dist.ProcessGroup]  # (tensor dim, process group of one mesh axis)
+Gather = tuple[int, AxisGroup]  # (tensor dim, process group of one mesh axis)
 
 
 class Source(Protocol):
@@ -92,7 +92,7 @@ class ParamGathers:
         self._made.clear()
 
     def record(
-        self, output: torch.Tensor, source: torch.Tensor, dim: int, group: dist.ProcessGroup
+        self, output: torch.Tensor, source: torch.Tensor, dim: int, group: AxisGroup
     ) -> None:
         """``output`` was all-gathered from ``source`` along ``dim`` over ``group``."""
         if self._is_param(source):

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate as TorchReplicate
 from torch.distributed.tensor import Shard as TorchShard
 
+from autopar.runtime.comm import AxisGroup
 from plans.errors import UsageError
 from plans.placement import Layout, Replicate, Shard
 
@@ -48,7 +49,7 @@ def local_slices(
     return tuple(slice(start, start + size) for start, size in zip(starts, sizes, strict=True))
 
 
-def gather_full(local: torch.Tensor, layout: Layout, device_mesh: Any) -> torch.Tensor:
+def gather_full(local: torch.Tensor, layout: Layout, groups: Sequence[AxisGroup]) -> torch.Tensor:
     """All-gather a local shard back to the whole tensor (no autograd).
 
     Inner axes first, so a dim split over several axes comes back in order. A tensor
@@ -61,7 +62,7 @@ def gather_full(local: torch.Tensor, layout: Layout, device_mesh: Any) -> torch.
     for axis in reversed(range(len(layout))):
         placement = layout[axis]
         if isinstance(placement, Shard):
-            value = all_gather(value, placement.dim, device_mesh.get_group(axis))
+            value = all_gather(value, placement.dim, groups[axis], phase="state")
     return value
 
 

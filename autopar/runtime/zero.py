@@ -15,7 +15,11 @@ must only ever see this device's piece. So, as DeepSpeed's ZeRO does:
 
 Values equal a plain data-parallel run; memory for optimizer state (and, for ZeRO-2, the
 gradient kept for the step) is divided by the ZeRO axes' size. Communication is one
-reduce-scatter and one all-gather per step, what an all-reduce costs.
+reduce-scatter and one all-gather per step, what an all-reduce costs. Over several
+microbatches (``CompiledModel.train_step``) ZeRO-1 accumulates its whole working gradient
+locally and sums it once, in the last backward (Megatron's distributed optimizer); ZeRO-2
+sums every microbatch's gradient into its piece (what keeps its gradient memory divided),
+so it pays the sum once per microbatch, and the plan's ledger charges it so.
 
 Parameters on the same groups are summed and gathered together, as DDP buckets and FSDP
 flattens them: up to ``bucket_bytes`` of them in one collective (``_Bucket``), each
@@ -37,7 +41,9 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.runtime.collectives import start_reduce_scatter_rows, unflatten
+from autopar.runtime.comm import AxisGroup
 from autopar.runtime.param_groups import gather_group, reduce_scatter_group, scatter_rows
+from plans.buckets import open_buckets
 from plans.placement import Layout, Replicate, Shard
 
 
@@ -51,8 +57,8 @@ class ZeroParam:
     axes: tuple[int, ...]  # mesh axes that shard the optimizer state only
     dims: tuple[int, ...]  # the dim of the local parameter each of them splits
     coords: tuple[int, ...]  # this device's coordinate on each of them
-    zero_groups: tuple[dist.ProcessGroup, ...]
-    other_groups: tuple[dist.ProcessGroup, ...]  # replicated axes that shard nothing
+    zero_groups: tuple[AxisGroup, ...]
+    other_groups: tuple[AxisGroup, ...]  # replicated axes that shard nothing
     shard_gradient: bool  # ZeRO-2
     seen_version: int = -1
 
@@ -123,7 +129,7 @@ class _Bucket:
             self.started = _Started(ready, work, result, shapes)
         else:
             flat = torch.cat([g.reshape(-1) for g in grads])
-            work = dist.all_reduce(flat, group=group, async_op=True)
+            work = group.all_reduce(flat, async_op=True)
             self.started = _Started(ready, work, lambda: flat, [g.shape for g in grads])
 
     def finish(self) -> None:
@@ -167,7 +173,7 @@ class _Bucket:
             return grads
         for group in first.zero_groups[done:]:
             grads = _all_reduce_each(grads, group)
-        sizes = tuple(dist.get_world_size(g) for g in first.zero_groups)
+        sizes = tuple(g.size for g in first.zero_groups)
         return [master_piece(g, p.dims, p.coords, sizes) for g, p in zip(grads, ready, strict=True)]
 
 
@@ -175,52 +181,45 @@ def make_buckets(params: list[ZeroParam], bucket_bytes: int = 25 * 2**20) -> lis
     """Group ``params`` by their groups and ZeRO stage into buckets of about
     ``bucket_bytes`` (local size), in order; a parameter that does not split evenly at
     every step gets a bucket of its own (its pieces differ in size across devices)."""
-    buckets: list[_Bucket] = []
-    open_: dict[tuple, tuple[_Bucket, list[int]]] = {}
-    for p in params:
-        if not _splits_evenly(p):
-            buckets.append(_Bucket([p]))
-            continue
-        key = (
-            tuple(id(g) for g in p.zero_groups),
-            tuple(id(g) for g in p.other_groups),
-            p.shard_gradient,
-            p.working.dtype,
+    items = [
+        (
+            (
+                tuple(id(g) for g in p.zero_groups),
+                tuple(id(g) for g in p.other_groups),
+                p.shard_gradient,
+                p.working.dtype,
+            )
+            if _splits_evenly(p)
+            else None,
+            p.working.numel() * p.working.element_size(),
         )
-        size = p.working.numel() * p.working.element_size()
-        if key in open_ and open_[key][1][0] + size <= bucket_bytes:
-            bucket, filled = open_[key]
-            bucket.params.append(p)
-            filled[0] += size
-            continue
-        bucket = _Bucket([p])
-        buckets.append(bucket)
-        open_[key] = (bucket, [size])
-    return buckets
+        for p in params
+    ]
+    return [_Bucket([params[i] for i in bucket]) for bucket in open_buckets(items, bucket_bytes)]
 
 
 def _splits_evenly(p: ZeroParam) -> bool:
     shape = list(p.working.shape)
     for dim, group in zip(p.dims, p.zero_groups, strict=True):
-        n = dist.get_world_size(group)
+        n = group.size
         if shape[dim] % n:
             return False
         shape[dim] //= n
     return True
 
 
-def _all_reduce_each(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+def _all_reduce_each(tensors: list[torch.Tensor], group: AxisGroup) -> list[torch.Tensor]:
     """Each tensor summed over ``group``, in one all-reduce of them laid end to end."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
+    group.all_reduce(flat)
     return unflatten(flat, [t.shape for t in tensors])
 
 
 def _piece_shapes(
-    tensors: list[torch.Tensor], dims: list[int], group: dist.ProcessGroup
+    tensors: list[torch.Tensor], dims: list[int], group: AxisGroup
 ) -> list[torch.Size]:
     """The shape of this device's piece of each tensor, split along its dim over ``group``."""
-    n = dist.get_world_size(group)
+    n = group.size
     shapes = []
     for t, dim in zip(tensors, dims, strict=True):
         shape = list(t.shape)
@@ -247,6 +246,10 @@ class ZeroShards:
         self.buckets = make_buckets(params)
         self._bucket_of = {id(p.working): b for b in self.buckets for p in b.params}
         self._queued = False
+        # on while train_step runs a microbatch other than the last: ZeRO-1's working
+        # gradients accumulate locally and are summed once per step (Megatron's distributed
+        # optimizer); ZeRO-2 sums each microbatch's into its piece, keeping no whole gradient
+        self.accumulating = False
         self._hooks = [p.working.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def __bool__(self) -> bool:
@@ -266,11 +269,17 @@ class ZeroShards:
         """A master-shaped tensor gathered back to the local parameter's shape."""
         return _gather_back([p], [piece])[0]
 
+    def _held(self, bucket: _Bucket) -> bool:
+        """Whether ``bucket`` keeps accumulating instead of summing now."""
+        return self.accumulating and not bucket.first.shard_gradient
+
     def _on_grad(self, working: torch.Tensor) -> None:
+        bucket = self._bucket_of[id(working)]
+        if self._held(bucket):
+            return
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
             self._queued = True
-        bucket = self._bucket_of[id(working)]
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             with torch.no_grad():
@@ -280,13 +289,14 @@ class ZeroShards:
         """Sum each working gradient into its master's piece, bucket by bucket."""
         with torch.no_grad():
             for bucket in self.buckets:
-                bucket.finish()
+                if not self._held(bucket):
+                    bucket.finish()
         self._queued = False
 
     def assign(self, name: str, local: torch.Tensor) -> None:
         """Set a parameter from its local value in the parameter's layout."""
         p = self.params[name]
-        sizes = tuple(dist.get_world_size(g) for g in p.zero_groups)
+        sizes = tuple(g.size for g in p.zero_groups)
         with torch.no_grad():
             p.master.copy_(master_piece(local, p.dims, p.coords, sizes))
 

@@ -37,6 +37,7 @@ from cost_model.compute import peak_flops
 from cost_model.memory import microbatches_in_flight
 from cost_model.step import exposed_gradient_sync, mfu, pipeline_time
 from passes.ilp import solve_ilp
+from passes.ledger import step_ledger
 from passes.pipeline.layer_costs import LayerCosts, Part, layer_costs
 from passes.pipeline.stage_cut import StageCut, cut_stages, evaluate_cut
 from passes.plan_build import build_plan
@@ -736,6 +737,10 @@ def _to_plan(request: PipelineRequest, best: Candidate, others: list[Candidate])
         )
         for c in others
     )
+    if p == 1:
+        planned = base.model_copy(update={"parallelism": parallelism})
+        ledger = step_ledger(traced, planned, batch_scale=scale)
+        estimate = estimate.model_copy(update={"comm": tuple(ledger)})
     return base.model_copy(
         update={
             "mesh": mesh,

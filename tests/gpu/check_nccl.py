@@ -47,6 +47,7 @@ from torch import nn
 import autopar
 from autopar.runtime.aligned_linear import aligned_linear
 from autopar.runtime.collectives import AllGather, AllReduce, AllToAll, ReduceScatter
+from autopar.runtime.comm import AxisGroup, CommLog
 from examples.models import build, gpt
 
 BIG = {"vocab_size": 8192, "seq_len": 256, "n_layer": 4, "n_head": 8, "d_model": 512}
@@ -145,8 +146,8 @@ def compare(got: list[float], want: list[float], rtol: float) -> str:
 
 # ---- the checks -------------------------------------------------------------------------
 def check_collectives(run: Run) -> str:
-    group = dist.new_group([0])
-    backend = dist.get_backend(group)
+    group = AxisGroup(dist.new_group([0]), ("dp",), CommLog())
+    backend = dist.get_backend(group.pg)
     for dim in range(3):
         x = torch.randn(4, 6, 8, device=run.device, requires_grad=True)
         for module, args in (

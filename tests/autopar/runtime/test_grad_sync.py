@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopar.runtime.comm import AxisGroup, CommLog
 from autopar.runtime.grad_sync import GradientSync
 from autopar.testing.ranks import run_ranks
 
@@ -58,7 +59,7 @@ def test_parameters_of_another_dtype_bucket_apart():
 
 def _sync_step(rank: int, world: int) -> dict[str, Any]:
     """Two fp32 parameters and a bf16 one; rank r's loss is (r + 1) times rank 0's."""
-    group = torch.distributed.group.WORLD
+    group = AxisGroup(torch.distributed.group.WORLD, ("dp",), CommLog())
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(4, 3))
     v = nn.Parameter(torch.randn(3))

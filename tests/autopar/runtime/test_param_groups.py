@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.runtime.collectives import all_gather, reduce_scatter
+from autopar.runtime.comm import AxisGroup, CommLog
 from autopar.runtime.param_groups import GatherParams, gather_group, reduce_scatter_group
 from autopar.testing.ranks import run_ranks
 from examples.models import build
@@ -60,7 +61,7 @@ def _train_step(rank: int, world: int) -> dict[str, Any]:
 
 def _groups_against_single_gathers(rank: int, world: int) -> dict[str, Any]:
     """``gather_group`` and ``reduce_scatter_group`` against one collective per tensor."""
-    group = dist.group.WORLD
+    group = AxisGroup(dist.group.WORLD, ("dp",), CommLog())
     generator = torch.Generator().manual_seed(rank)
     shards = [torch.randn(s, generator=generator) for s in ((3, 4), (5, 2), (2, 3, 2), (7,))]
     dims = (0, 1, 2, 0)

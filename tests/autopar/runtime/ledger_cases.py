@@ -1,0 +1,68 @@
+"""Work for ``test_ledger.py``: train a tiny model compiled under one style on gloo ranks and
+return what each rank's runtime issued in a step next to what the plan's ledger promises.
+
+One spawn runs every case (starting ranks costs seconds, a case a second or two).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import autopar
+from examples.models import build
+from plans.ledger import tally_entries
+from tests.autopar.runtime.features import cross_entropy
+
+
+def logits_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the logits (a mixture of experts returns them first in a tuple)."""
+    return cross_entropy(output[0] if isinstance(output, tuple) else output, target)
+
+
+def observed_and_planned(
+    rank: int, world: int, mesh_shape: tuple[int, ...], cases: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Per case (``model``, ``force``, ``zero``, ``microbatches``, ``precision``): the
+    second step's observed collectives and the plan's ledger, both tallied by (kind, axes,
+    dtype), and the calls in order with their phases (to read a failure)."""
+    axes = ("dp", "tp")[: len(mesh_shape)] if len(mesh_shape) > 1 else ("dp",)
+    results = []
+    for case in cases:
+        torch.manual_seed(0)
+        microbatches = case.get("microbatches", 1)
+        model, (tokens,) = build(case.get("model", "gpt-tiny"), batch_size=4)
+        batch = tokens.repeat(microbatches, 1)
+        compiled = autopar.compile(
+            model,
+            autopar.Mesh(mesh_shape, axes, device="cpu"),
+            example_inputs=(tokens,),
+            loss_fn=logits_loss,
+            force=case.get("force"),
+            zero=case.get("zero", 0),
+            global_batch=4 * microbatches,
+            microbatches=microbatches,
+            stages=1,
+            precision=case.get("precision", "fp32"),
+        )
+        optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
+        for _ in range(2):  # the second step: ZeRO gathers masters the first step stepped
+            optimizer.zero_grad()
+            compiled.train_step(batch, batch)
+            optimizer.step()
+        plan = compiled.plan
+        results.append(
+            {
+                "case": case,
+                "parallelism": str(plan.parallelism),
+                "observed": compiled.observed_collectives(),
+                "planned": tally_entries(plan.estimate.comm),
+                "calls": [(c.kind, c.axes, c.dtype, c.nbytes, c.phase) for c in compiled.observed_calls()],
+                "ledger": [
+                    (e.kind, e.axes, e.dtype, e.bytes_per_call, e.calls_per_step, e.phase, e.what)
+                    for e in plan.estimate.comm
+                ],
+            }
+        )
+    return results
