@@ -10,7 +10,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-COUNTED = ("all_gather", "all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor")
+COUNTED = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "broadcast",
+)
 
 
 @contextmanager
