@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from cost_model.collectives import MeshCost
+from cost_model.step import exposed_gradient_sync
 from passes.annotation import META_KEY, TensorInfo
 from passes.from_plan import PlanLayouts
 from passes.strategies.graph import tensor_inputs
@@ -45,7 +46,7 @@ from plans.buckets import ddp_buckets, open_buckets
 from plans.ledger import CommEntry, sent
 from plans.mesh import MeshSpec
 from plans.placement import Layout, Replicate, Shard
-from plans.plan import ParamPlan, Plan
+from plans.plan import Estimate, ParamPlan, Plan
 from plans.reshard import AxisStep, plan_reshard
 
 ADJOINT = {
@@ -437,3 +438,37 @@ def _zero(traced: TracedModel, plan: Plan, cost: MeshCost) -> list[CommEntry]:
                 _entry(cost, "all_gather", axis, dtype, gathered, 1, "step", f"{what}, masters")
             )
     return entries
+
+
+def with_ledger(estimate: Estimate, entries: list[CommEntry], backward_s: float) -> Estimate:
+    """``estimate`` with its communication figures summed over ``entries``: every entry's
+    exposed seconds (what blocks: all of it; what backward may hide: gradient sync and
+    ZeRO's sums, bucket by bucket, ``cost_model.step.exposed_gradient_sync`` with the
+    ledger's own bucket count, shared in proportion to time), the bytes sent, all
+    communication time, and the step time (compute and bubble as before, plus the
+    exposed communication)."""
+    overlapped = [e for e in entries if e.overlap == "backward"]
+    hidden_total = sum(e.time_s for e in overlapped)
+    exposed_total = (
+        exposed_gradient_sync(hidden_total, backward_s, len(overlapped)) if overlapped else 0.0
+    )
+    share = exposed_total / hidden_total if hidden_total > 0 else 0.0
+    priced = [
+        e.model_copy(update={"exposed_s": e.time_s * share}) if e.overlap == "backward" else e
+        for e in entries
+    ]
+    by_kind: dict[str, float] = {}
+    for e in priced:
+        kind = "gradient_sync" if e.overlap == "backward" or e.phase == "step" else e.kind
+        by_kind[kind] = by_kind.get(kind, 0.0) + e.sent_per_step
+    exposed = sum(e.exposed_s for e in priced)
+    return estimate.model_copy(
+        update={
+            "comm": tuple(priced),
+            "comm_bytes_per_step": sum(e.sent_per_step for e in priced),
+            "comm_bytes_by_kind": {k: v for k, v in by_kind.items() if v},
+            "comm_s": sum(e.time_s for e in priced),
+            "exposed_comm_s": exposed,
+            "step_time_s": estimate.step_time_s - estimate.exposed_comm_s + exposed,
+        }
+    )

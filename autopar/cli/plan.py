@@ -15,7 +15,7 @@ from typing import Any
 
 import autopar
 from autopar.cli.mesh_args import add_mesh_arguments, mesh_from_args
-from autopar.cli.render import console, plan_tables, working
+from autopar.cli.render import comm_table, console, plan_tables, summary_of, working
 from autopar.force import STYLES
 from autopar.model_source import build_model, parse_config
 from autopar.report import require_matplotlib
@@ -90,6 +90,12 @@ def add_output_arguments(parser: Any) -> None:
         help="write a self-contained HTML report (pipeline timeline, memory, layouts) and a "
         "PNG beside it",
     )
+    parser.add_argument(
+        "--comm",
+        action="store_true",
+        help="print the communication ledger: every collective a step issues (kind, mesh "
+        "axes, dtype, bytes, calls, time, what hides it) instead of the layouts",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,7 +128,8 @@ def print_plan(plan: Plan, args: argparse.Namespace) -> int:
             page, picture = write_report(plan, args.report)
     if args.format == "table":
         out = console()
-        for table in plan_tables(plan):
+        tables = [summary_of(plan), comm_table(plan)] if args.comm else plan_tables(plan)
+        for table in tables:
             out.print(table)
     else:
         print(dump_plan(plan, args.format), end="")

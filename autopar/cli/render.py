@@ -223,3 +223,60 @@ def layouts_table(plan: Plan) -> Table:
             cells.append(row.stage)
         table.add_row(*cells)
     return table
+
+
+def comm_table(plan: Plan) -> Table:
+    """The plan's ledger (``plans.ledger``): every collective a step issues, the sites of one
+    shape folded into a row (phase, kind, axes, dtype, bytes per call, what hides it), the
+    costliest first, with the totals the summary quotes."""
+    rows: dict[tuple, list] = {}
+    for e in plan.estimate.comm:
+        key = (e.phase, e.kind, e.axes, e.dtype, e.bytes_per_call, e.overlap)
+        row = rows.setdefault(key, [0, 0, 0.0, 0.0, 0.0, e.what])
+        row[0] += 1
+        row[1] += e.calls_per_step
+        row[2] += e.sent_per_step
+        row[3] += e.time_s
+        row[4] += e.exposed_s
+    table = Table(title="communication per step (the ledger)", title_justify="left")
+    table.add_column("phase")
+    table.add_column("collective")
+    for name in ("bytes/call", "calls", "time", "exposed"):
+        table.add_column(name, justify="right")
+    table.add_column("what (sites)")
+    if not plan.estimate.comm:
+        table.caption = (
+            "this plan has no ledger: pipeline plans are not itemised yet (their figures "
+            "come from the stage estimates)"
+        )
+    ordered = sorted(rows.items(), key=lambda item: -item[1][3])
+    for (phase, kind, axes, dtype, nbytes, overlap), (
+        sites,
+        calls,
+        _,
+        time,
+        exposed,
+        what,
+    ) in ordered:
+        hidden = "" if overlap == "none" else f" (under {overlap})"
+        table.add_row(
+            phase,
+            f"{kind} {','.join(axes)} {dtype}",
+            format_bytes(nbytes),
+            str(calls),
+            format_seconds(time),
+            format_seconds(exposed) + hidden,
+            escape(what) + (f" (+{sites - 1})" if sites > 1 else ""),
+        )
+    e = plan.estimate
+    table.add_row(
+        "step",
+        f"{format_bytes(e.comm_bytes_per_step)} sent",
+        "",
+        str(sum(c.calls_per_step for c in e.comm)),
+        format_seconds(e.comm_s),
+        format_seconds(e.exposed_comm_s),
+        "",
+        style="bold",
+    )
+    return table

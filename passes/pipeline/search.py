@@ -37,7 +37,7 @@ from cost_model.compute import peak_flops
 from cost_model.memory import microbatches_in_flight
 from cost_model.step import exposed_gradient_sync, mfu, pipeline_time
 from passes.ilp import solve_ilp
-from passes.ledger import step_ledger
+from passes.ledger import step_ledger, with_ledger
 from passes.pipeline.layer_costs import LayerCosts, Part, layer_costs
 from passes.pipeline.stage_cut import StageCut, cut_stages, evaluate_cut
 from passes.plan_build import build_plan
@@ -737,10 +737,16 @@ def _to_plan(request: PipelineRequest, best: Candidate, others: list[Candidate])
         )
         for c in others
     )
-    if p == 1:
+    if p == 1:  # the figures summed over the ledger (pipelines: not yet)
         planned = base.model_copy(update={"parallelism": parallelism})
         ledger = step_ledger(traced, planned, batch_scale=scale)
-        estimate = estimate.model_copy(update={"comm": tuple(ledger)})
+        solved = best.solved
+        backward = sum(solved.parts.compute_bwd[d][k] for d, k in solved.choice.items())
+        estimate = with_ledger(estimate, ledger, backward * scale * best.microbatches)
+        peak = peak_flops(solved.cost.mesh_cost.preset, solved.cost.compute_dtype) or 1.0
+        estimate = estimate.model_copy(
+            update={"mfu": mfu(estimate.flops_per_step, estimate.step_time_s, peak, mesh.size)}
+        )
     return base.model_copy(
         update={
             "mesh": mesh,
