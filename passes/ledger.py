@@ -38,8 +38,14 @@ import torch
 
 from cost_model.collectives import MeshCost
 from cost_model.step import exposed_gradient_sync
-from passes.annotation import META_KEY, TensorInfo
+from passes.annotation import META_KEY
 from passes.from_plan import PlanLayouts
+from passes.mixed_precision import (
+    COMPUTE,
+    LOW_PRECISION_OPS,
+    autocast_dtypes,
+    cast_for_gather,
+)
 from passes.strategies.graph import tensor_inputs
 from passes.trace import TracedModel
 from plans.buckets import ddp_buckets, open_buckets
@@ -63,7 +69,7 @@ WIRE_DTYPE = {"bf16_mixed": "bfloat16", "fp16_mixed": "float16", "bf16": "bfloat
 class _Call:
     kind: str
     axis: int
-    nbytes: float
+    elements: float  # the payload in elements (bytes: times the dtype's size)
 
 
 @dataclass
@@ -72,12 +78,79 @@ class _Reshard:
 
     producer: str
     calls: list[_Call]
-    dtype: str
+    dtype: str  # what it travels as
     requires_grad: bool
     param: str | None  # the parameter it reshards (None: an activation)
     starts_local: bool = False  # a local step (slice, zero, pad) comes before any collective
     saved: bool = False  # a consumer keeps the result for backward
     skipped_adjoints: int = 0  # trailing output all-reduces whose adjoint is skipped
+
+    @property
+    def regathered(self) -> bool:
+        """A parameter gathered (by gathers alone) for an op that keeps it: the runtime
+        drops the gathered copy and gathers it again in backward (``runtime.regather``)."""
+        return (
+            self.param is not None
+            and self.saved
+            and bool(self.calls)
+            and all(c.kind == "all_gather" for c in self.calls)
+        )
+
+
+class _Ledger:
+    """Entries as they are added: each call priced on its own axis, as the runtime runs it."""
+
+    def __init__(self, mesh: MeshSpec, microbatches: int) -> None:
+        self.cost = MeshCost(mesh)
+        self.microbatches = microbatches
+        self.entries: list[CommEntry] = []
+
+    def add(
+        self,
+        kind: str,
+        axis: int,
+        dtype: str,
+        nbytes: float,
+        phase: str,
+        what: str,
+        *,
+        per_step: bool = False,
+        overlap: str = "none",
+    ) -> None:
+        """One call site: every microbatch, or once per step (``per_step``)."""
+        mesh = self.cost.mesh
+        calls = 1 if per_step else self.microbatches
+        time = self.cost.collective(kind, nbytes, (axis,)).time * calls
+        self.entries.append(
+            CommEntry(
+                kind=kind,
+                axes=(mesh.axis_names[axis],),
+                dtype=dtype,
+                bytes_per_call=nbytes,
+                calls_per_step=calls,
+                phase=phase,  # type: ignore[arg-type]
+                what=what,
+                overlap=overlap,  # type: ignore[arg-type]
+                time_s=time,
+                exposed_s=time if overlap == "none" else 0.0,
+                sent_per_call=sent(kind, nbytes, mesh.shape[axis]),
+            )
+        )
+
+    def reshard(self, reshard: _Reshard, calls: list[_Call], dtype: str, what: str) -> None:
+        """A reshard's calls forward, their adjoints backward (in reverse, but the output
+        all-reduces that skip theirs), and a kept parameter's gathers again in backward."""
+        size = _itemsize(dtype)
+        for call in calls:
+            self.add(call.kind, call.axis, dtype, call.elements * size, "forward", what)
+        if reshard.requires_grad:
+            for call in reversed(calls[: len(calls) - reshard.skipped_adjoints]):
+                kind = ADJOINT[call.kind]
+                self.add(kind, call.axis, dtype, call.elements * size, "backward", what)
+        if reshard.regathered:
+            for call in calls:
+                nbytes = call.elements * size
+                self.add("all_gather", call.axis, dtype, nbytes, "backward", f"{what}, again")
 
 
 def step_ledger(traced: TracedModel, plan: Plan, *, batch_scale: float = 1.0) -> list[CommEntry]:
@@ -86,120 +159,70 @@ def step_ledger(traced: TracedModel, plan: Plan, *, batch_scale: float = 1.0) ->
     ``batch_scale``: the microbatch over the traced batch, when the plan runs a microbatch
     of another size than was traced (activations scale, parameters do not)."""
     mesh = plan.stage_mesh or plan.mesh
-    cost = MeshCost(mesh)
-    walk = _Walk(traced, plan, mesh, batch_scale)
-    reshards = walk.run()
-    m = plan.parallelism.microbatches
-    entries: list[CommEntry] = []
-    grouped, singles = _fsdp_groups(traced, plan, reshards)
-    for key, members in grouped.items():
-        axis, dtype, place = key
-        nbytes = sum(r.calls[0].nbytes for r in members)
+    ledger = _Ledger(mesh, plan.parallelism.microbatches)
+    reshards = _Walk(traced, plan, mesh, batch_scale).run()
+    cast = cast_for_gather(traced, plan.precision)
+    compute = WIRE_DTYPE.get(plan.precision)
+    groups, singles = _fsdp_groups(traced, plan, reshards)
+    for (axis, _, place), members in groups.items():
+        # gathered in the compute dtype when its parameters are (passes.mixed_precision)
+        dtype = compute if compute and members[0].param in cast else members[0].dtype
+        nbytes = sum(r.calls[0].elements for r in members) * _itemsize(dtype)
         what = f"FSDP gather of {len(members)} parameter(s), {place}"
-        entries.append(_entry(cost, "all_gather", axis, dtype, nbytes, m, "forward", what))
+        ledger.add("all_gather", axis, dtype, nbytes, "forward", what)
         if any(r.requires_grad for r in members):
-            entries.append(_entry(cost, "reduce_scatter", axis, dtype, nbytes, m, "backward", what))
-        # a kept weight gathered by these calls alone is fetched from the group again
-        if any(r.saved and all(c.kind == "all_gather" for c in r.calls) for r in members):
-            entries.append(
-                _entry(cost, "all_gather", axis, dtype, nbytes, m, "backward", f"{what}, again")
-            )
-    for reshard, calls in singles:
-        what = f"reshard of {reshard.param or reshard.producer}"
-        for call in calls:
-            entries.append(
-                _entry(cost, call.kind, call.axis, reshard.dtype, call.nbytes, m, "forward", what)
-            )
-        if reshard.requires_grad:
-            adjoints = calls[: len(calls) - reshard.skipped_adjoints]
-            for call in reversed(adjoints):
-                kind = ADJOINT[call.kind]
-                entries.append(
-                    _entry(cost, kind, call.axis, reshard.dtype, call.nbytes, m, "backward", what)
-                )
-        regathered = reshard.param is not None and reshard.saved and calls
-        if regathered and all(c.kind == "all_gather" for c in calls):
-            for call in calls:
-                entries.append(
-                    _entry(
-                        cost,
-                        "all_gather",
-                        call.axis,
-                        reshard.dtype,
-                        call.nbytes,
-                        m,
-                        "backward",
-                        f"{what}, again",
-                    )
-                )
-    entries += _gradient_sync(traced, plan, cost)
-    entries += _zero(traced, plan, cost)
-    return entries
-
-
-def _entry(
-    cost: MeshCost,
-    kind: str,
-    axis: int,
-    dtype: str,
-    nbytes: float,
-    calls: int,
-    phase: str,
-    what: str,
-    overlap: str = "none",
-) -> CommEntry:
-    mesh = cost.mesh
-    devices = mesh.shape[axis]
-    time = cost.collective(kind, nbytes, (axis,)).time * calls
-    return CommEntry(
-        kind=kind,
-        axes=(mesh.axis_names[axis],),
-        dtype=dtype,
-        bytes_per_call=nbytes,
-        calls_per_step=calls,
-        phase=phase,  # type: ignore[arg-type]
-        what=what,
-        overlap=overlap,  # type: ignore[arg-type]
-        time_s=time,
-        exposed_s=time if overlap == "none" else 0.0,
-        sent_per_call=sent(kind, nbytes, devices),
-    )
+            ledger.add("reduce_scatter", axis, dtype, nbytes, "backward", what)
+        if any(r.regathered for r in members):  # fetched from the group again, once
+            ledger.add("all_gather", axis, dtype, nbytes, "backward", f"{what}, again")
+        for reshard in members:  # the steps after the group's gather, on its output
+            if len(reshard.calls) > 1:
+                ledger.reshard(reshard, reshard.calls[1:], dtype, f"reshard of {reshard.param}")
+    for reshard in singles:
+        ledger.reshard(
+            reshard, reshard.calls, reshard.dtype, f"reshard of {reshard.param or reshard.producer}"
+        )
+    _gradient_sync(traced, plan, ledger)
+    _zero(traced, plan, ledger)
+    return ledger.entries
 
 
 class _Walk:
-    """The lowering's walk, keeping the reshards instead of emitting them."""
+    """The lowering's walk (``passes.lower_spmd``), keeping the reshards instead of
+    emitting them."""
 
     def __init__(self, traced: TracedModel, plan: Plan, mesh: MeshSpec, scale: float) -> None:
         self.traced = traced
         self.layouts = PlanLayouts(traced, plan)
         self.mesh = mesh
         self.scale = scale
-        self.wire = WIRE_DTYPE.get(plan.precision)
+        self.plan = plan
+        self.nodes = {node.name: node for node in traced.graph.nodes}
         self.param_of = {n: name for name, info in traced.params.items() for n in info.nodes}
+        self.cast = cast_for_gather(traced, plan.precision)
+        self.autocast = autocast_dtypes(traced, plan.precision)
         self.made: dict[tuple[str, Layout], _Reshard | None] = {}
         self.reshards: list[_Reshard] = []
 
     def run(self) -> list[_Reshard]:
         for node in self.traced.graph.nodes:
             note = node.meta[META_KEY]
-            if node.op == "placeholder":
+            if node.op == "placeholder" or node.target is operator.getitem:
                 self.made[(node.name, self.layouts.layout(node.name))] = None
             elif node.op == "output":
                 self._outputs(node)
-            elif node.target is operator.getitem:
-                self.made[(node.name, self.layouts.layout(node.name))] = None
             elif note.outputs:
                 strategy = self.layouts.strategy(node.name)
                 for index, source in enumerate(tensor_inputs(node)):
-                    want = strategy.inputs[index]
-                    made = self._value(source.producer, want)
+                    made = self._value(source.producer, strategy.inputs[index])
                     if made is not None and index in note.saved_inputs:
-                        made.saved = True
+                        made.saved = made.saved or not self._autocast_copy(made, note.op)
                 if len(strategy.outputs) == 1:
                     self.made[(node.name, strategy.outputs[0])] = None
         return self.reshards
 
     def _outputs(self, node: torch.fx.Node) -> None:
+        """Outputs are made whole; the all-reduces that end an output's reshard skip their
+        adjoint (``runtime.output_boundary``)."""
         whole = Layout.replicated(self.mesh.ndim)
         for value in _flat_nodes(node.args[0]):
             if not isinstance(value.meta.get("val"), torch.Tensor):
@@ -216,28 +239,32 @@ class _Walk:
             made.skipped_adjoints = trailing
 
     def _value(self, producer: str, want: Layout | None) -> _Reshard | None:
+        """The reshard of ``producer`` to ``want``, one per (tensor, layout) (None: none
+        needed, or the layout is the producer's own)."""
         if want is None:
             return None
         key = (producer, want)
         if key in self.made:
             return self.made[key]
-        have = self.layouts.layout(producer)
-        info = self._info(producer)
-        steps = plan_reshard(have, want)
+        note = self.nodes[producer].meta[META_KEY]
+        info = note.outputs[0]
+        param = self.param_of.get(producer)
+        steps = plan_reshard(self.layouts.layout(producer), want)
         made = _Reshard(
             producer,
-            list(self._calls(steps, info, producer in self.param_of)),
-            self._dtype(info),
-            self._requires_grad(producer),
-            self.param_of.get(producer),
+            list(self._calls(steps, info.numel * (1.0 if param else self.scale))),
+            self._dtype(info.dtype, param, producer),
+            bool(note.requires_grad),
+            param,
             starts_local=bool(steps) and steps[0].local,
         )
         self.made[key] = made
         self.reshards.append(made)
         return made
 
-    def _calls(self, steps: tuple[AxisStep, ...], info: TensorInfo, param: bool) -> Iterator[_Call]:
-        total = info.numel * _itemsize(self._dtype(info)) * (1.0 if param else self.scale)
+    def _calls(self, steps: tuple[AxisStep, ...], elements: float) -> Iterator[_Call]:
+        """Each collective step's payload (``plans.ledger``): the tensor divided by the
+        other axes that split it then; an all-to-all's, by its own axis too."""
         shape = self.mesh.shape
         for step in steps:
             if step.local:
@@ -247,27 +274,30 @@ class _Walk:
                 for a, p in enumerate(step.before)
                 if isinstance(p, Shard) and a != step.axis
             )
-            nbytes = total / others
+            payload = elements / others
             if step.kind == "all_to_all":
-                nbytes /= shape[step.axis]
-            yield _Call(step.kind, step.axis, nbytes)
+                payload /= shape[step.axis]
+            yield _Call(step.kind, step.axis, payload)
 
-    def _info(self, name: str) -> TensorInfo:
-        node = self._node(name)
-        return node.meta[META_KEY].outputs[0]
+    def _autocast_copy(self, made: _Reshard, op: str) -> bool:
+        """Whether ``op`` keeps autocast's cast copy of ``made`` rather than ``made``: an fp32
+        parameter read by a lower-precision op under mixed precision (then nothing is
+        gathered again in backward; the copy stays)."""
+        return (
+            made.param is not None
+            and self.plan.precision in COMPUTE
+            and made.param not in self.cast
+            and op in LOW_PRECISION_OPS
+        )
 
-    def _node(self, name: str) -> torch.fx.Node:
-        if not hasattr(self, "_nodes"):
-            self._nodes = {n.name: n for n in self.traced.graph.nodes}
-        return self._nodes[name]
-
-    def _requires_grad(self, name: str) -> bool:
-        return bool(self._node(name).meta[META_KEY].requires_grad)
-
-    def _dtype(self, info: TensorInfo) -> str:
-        if info.dtype == "float32" and self.wire is not None:
-            return self.wire
-        return info.dtype
+    def _dtype(self, dtype: str, param: str | None, producer: str) -> str:
+        """What a tensor travels as: a parameter as stored (fp32 masters under mixed
+        precision; a group may cast it, ``step_ledger``); an activation as autocast makes
+        it (``passes.mixed_precision.autocast_dtypes``), else as the plan's precision
+        stores it."""
+        if param is not None:
+            return "bfloat16" if self.plan.precision == "bf16" and dtype == "float32" else dtype
+        return self.autocast.get(producer) or _wire_dtype(self.plan, dtype)
 
 
 def _flat_nodes(value: object) -> Iterator[torch.fx.Node]:
@@ -287,46 +317,38 @@ GroupKey = tuple[int, str, str]  # (mesh axis, dtype, "layer 3" or "outside the 
 
 def _fsdp_groups(
     traced: TracedModel, plan: Plan, reshards: list[_Reshard]
-) -> tuple[dict[GroupKey, list[_Reshard]], list[tuple[_Reshard, list[_Call]]]]:
-    """FSDP's groups of parameter gathers (``runtime.param_groups``), in the order the
-    runtime makes them, and every reshard's calls left outside a group."""
+) -> tuple[dict[GroupKey, list[_Reshard]], list[_Reshard]]:
+    """FSDP's groups (``runtime.param_groups``): a parameter's reshard that starts with an
+    all-gather of its own shard joins the group of its (axis, dtype, layer), in the order
+    the runtime makes them (parameters outside the layers: per run between layers); the
+    other reshards stay single."""
     container = traced.layers
+    cast = cast_for_gather(traced, plan.precision)
     groups: dict[GroupKey, list[_Reshard]] = {}
-    singles: list[tuple[_Reshard, list[_Call]]] = []
+    singles: list[_Reshard] = []
     layers_seen: set[int] = set()
     mesh_shape = (plan.stage_mesh or plan.mesh).shape
     for reshard in reshards:
-        calls = reshard.calls
-        first = calls[0] if calls else None
-        steps_start_with_gather = (
-            first is not None
-            and first.kind == "all_gather"
-            and reshard.param is not None
+        param = reshard.param
+        grouped = (
+            param is not None
+            and bool(reshard.calls)
+            and reshard.calls[0].kind == "all_gather"
             and not reshard.starts_local
-            and not _is_zero(plan.params[reshard.param], mesh_shape)
+            and not _is_zero(plan.params[param], mesh_shape)
         )
-        if not steps_start_with_gather:
-            singles.append((reshard, calls))
+        if not grouped:
+            singles.append(reshard)
             continue
-        assert reshard.param is not None and first is not None
-        layer = container.index_of(reshard.param) if container is not None else None
+        assert param is not None
+        layer = container.index_of(param) if container is not None else None
         if layer is None:
             place = f"outside the layers, {len(layers_seen)}"
         else:
             place = f"layer {layer}"
             layers_seen.add(layer)
-        groups.setdefault((first.axis, reshard.dtype, place), []).append(reshard)
-        if len(calls) > 1:
-            rest = _Reshard(
-                reshard.producer,
-                calls[1:],
-                reshard.dtype,
-                reshard.requires_grad,
-                reshard.param,
-                saved=reshard.saved,
-                skipped_adjoints=reshard.skipped_adjoints,
-            )
-            singles.append((rest, calls[1:]))
+        dtype = "compute" if param in cast else reshard.dtype
+        groups.setdefault((reshard.calls[0].axis, dtype, place), []).append(reshard)
     return groups, singles
 
 
@@ -356,10 +378,17 @@ def _param_order(traced: TracedModel) -> list[str]:
     return list(order)
 
 
-def _gradient_sync(traced: TracedModel, plan: Plan, cost: MeshCost) -> list[CommEntry]:
+def _stored(plan: Plan, param: ParamPlan) -> str:
+    """The dtype a parameter (and its gradient) is held in on the device."""
+    return "bfloat16" if plan.precision == "bf16" and param.dtype == "float32" else param.dtype
+
+
+def _gradient_sync(traced: TracedModel, plan: Plan, ledger: _Ledger) -> None:
     """DDP's buckets over the replicated axes of every parameter ZeRO does not hold: one
-    all-reduce per bucket and axis, in the last microbatch's backward."""
-    mesh_shape = cost.mesh.shape
+    all-reduce per bucket and axis, in the last microbatch's backward (``runtime.grad_sync``:
+    buckets fill by the stored gradients' bytes; they are summed in the compute dtype under
+    mixed precision)."""
+    mesh_shape = ledger.cost.mesh.shape
     synced = []
     for name in reversed(_param_order(traced)):
         param = plan.params[name]
@@ -369,26 +398,33 @@ def _gradient_sync(traced: TracedModel, plan: Plan, cost: MeshCost) -> list[Comm
             a for a, p in enumerate(param.param) if isinstance(p, Replicate) and mesh_shape[a] > 1
         )
         if axes:
-            dtype = _wire_dtype(plan, param.dtype)
-            synced.append((axes, dtype, _local_numel(param, mesh_shape) * _itemsize(dtype)))
-    entries = []
-    items = [((axes, dtype), nbytes) for axes, dtype, nbytes in synced]
+            synced.append((axes, _stored(plan, param), _local_numel(param, mesh_shape)))
+    items = [((axes, stored), numel * _itemsize(stored)) for axes, stored, numel in synced]
     for number, bucket in enumerate(ddp_buckets(items)):
-        axes, dtype, _ = synced[bucket[0]]
-        nbytes = sum(synced[i][2] for i in bucket)
+        axes, stored, _ = synced[bucket[0]]
+        dtype = _wire_dtype(plan, stored)
+        nbytes = sum(synced[i][2] for i in bucket) * _itemsize(dtype)
         what = f"gradient sync, bucket {number} ({len(bucket)} parameter(s))"
         for axis in axes:
-            entries.append(
-                _entry(cost, "all_reduce", axis, dtype, nbytes, 1, "backward", what, "backward")
+            ledger.add(
+                "all_reduce",
+                axis,
+                dtype,
+                nbytes,
+                "backward",
+                what,
+                per_step=True,
+                overlap="backward",
             )
-    return entries
 
 
-def _zero(traced: TracedModel, plan: Plan, cost: MeshCost) -> list[CommEntry]:
-    """ZeRO-1/2's buckets (``runtime.zero``): the gradient sum over the other replicated axes
-    (all-reduce) and the ZeRO axes (ZeRO-2: reduce-scatter, in every microbatch's backward;
-    ZeRO-1: all-reduce, once), and the masters gathered back before the next forward."""
-    mesh_shape = cost.mesh.shape
+def _zero(traced: TracedModel, plan: Plan, ledger: _Ledger) -> None:
+    """ZeRO-1/2's buckets (``runtime.zero``, filled by stored bytes): the gradient sum, in
+    the compute dtype under mixed precision, over the other replicated axes (all-reduce) and
+    the ZeRO axes (ZeRO-2: reduce-scatter, in every microbatch's backward; ZeRO-1:
+    all-reduce, once per step), and the fp32 masters gathered back before the next
+    forward."""
+    mesh_shape = ledger.cost.mesh.shape
     members = []
     for name in _param_order(traced):
         param = plan.params[name]
@@ -410,34 +446,40 @@ def _zero(traced: TracedModel, plan: Plan, cost: MeshCost) -> list[CommEntry]:
         for axis, dim in found:
             even = even and local[dim] % mesh_shape[axis] == 0
             local[dim] //= mesh_shape[axis]
-        dtype = _wire_dtype(plan, param.dtype)
-        nbytes = _local_numel(param, mesh_shape) * _itemsize(dtype)
-        key = (zero_axes, others, param.grad != param.param, dtype) if even else None
-        members.append((key, nbytes, zero_axes, others, param.grad != param.param, dtype))
-    entries = []
-    m = plan.parallelism.microbatches
-    for number, bucket in enumerate(open_buckets([(k, b) for k, b, *_ in members])):
-        _, _, zero_axes, others, stage2, dtype = members[bucket[0]]
-        nbytes = sum(members[i][1] for i in bucket)
+        stored, stage2 = _stored(plan, param), param.grad != param.param
+        numel = _local_numel(param, mesh_shape)
+        key = (zero_axes, others, stage2, stored) if even else None
+        members.append((key, numel * _itemsize(stored), numel, zero_axes, others, stage2, stored))
+    for number, bucket in enumerate(open_buckets([(m[0], m[1]) for m in members])):
+        _, _, _, zero_axes, others, stage2, stored = members[bucket[0]]
+        numel = sum(members[i][2] for i in bucket)
         what = f"ZeRO-{2 if stage2 else 1} bucket {number} ({len(bucket)} parameter(s))"
-        calls, phase = (m, "backward") if stage2 else (1, "backward")
+        wire = _wire_dtype(plan, stored)
+        size = float(numel * _itemsize(wire))
         for axis in others:
-            entries.append(
-                _entry(cost, "all_reduce", axis, dtype, nbytes, calls, phase, what, "backward")
+            ledger.add(
+                "all_reduce",
+                axis,
+                wire,
+                size,
+                "backward",
+                what,
+                per_step=not stage2,
+                overlap="backward",
             )
-        size = float(nbytes)
         for axis in zero_axes:
             kind = "reduce_scatter" if stage2 else "all_reduce"
-            entries.append(_entry(cost, kind, axis, dtype, size, calls, phase, what, "backward"))
+            ledger.add(
+                kind, axis, wire, size, "backward", what, per_step=not stage2, overlap="backward"
+            )
             if stage2:
                 size /= mesh_shape[axis]
-        gathered = nbytes / math.prod(mesh_shape[a] for a in zero_axes)
+        gathered = numel * _itemsize(stored) / math.prod(mesh_shape[a] for a in zero_axes)
         for axis in reversed(zero_axes):
             gathered *= mesh_shape[axis]
-            entries.append(
-                _entry(cost, "all_gather", axis, dtype, gathered, 1, "step", f"{what}, masters")
+            ledger.add(
+                "all_gather", axis, stored, gathered, "step", f"{what}, masters", per_step=True
             )
-    return entries
 
 
 def with_ledger(estimate: Estimate, entries: list[CommEntry], backward_s: float) -> Estimate:

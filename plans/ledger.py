@@ -76,7 +76,7 @@ def sent(kind: str, nbytes: float, devices: int) -> float:
     if kind == "all_reduce":
         return 2 * share * nbytes
     if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return share * nbytes * (devices if kind == "all_to_all" else 1)
+        return share * nbytes  # all-to-all: it keeps 1/n of its own buffer
     return nbytes  # broadcast, send: the payload once
 
 

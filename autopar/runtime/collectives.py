@@ -213,6 +213,15 @@ class AllGather(Collective):
         return out
 
 
+def to_param_dtype(shard: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A parameter's shard as it is gathered: cast to ``dtype`` (autograd carries the
+    gradient back to the fp32 shard), so the gather and its adjoint's reduce-scatter move
+    compute-dtype bytes and autocast finds the weight already cast."""
+    if dtype is None or not shard.is_floating_point() or shard.dtype == dtype:
+        return shard
+    return shard.to(dtype)
+
+
 class ReduceScatter(Collective):
     def forward(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return _ReduceScatter.apply(x, dim, self.group)

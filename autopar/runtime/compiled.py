@@ -76,6 +76,7 @@ from passes.from_plan import PlanLayouts
 from passes.lower_spmd import LoweredGraph, local_shard, lower_spmd
 from passes.lower_stages import StageProgram, holders, iter_stage_codes, locate, split_stages
 from passes.lower_stages import stage_mesh as plan_stage_mesh
+from passes.mixed_precision import cast_for_gather
 from passes.trace import TracedModel
 from plans.errors import UsageError
 from plans.ledger import CommCount, CommKey
@@ -215,7 +216,7 @@ class CompiledModel(nn.Module):
         )
         zero: list[ZeroParam] = []
         tree = self._build_tree(model, traced, whole, zero, graphs)
-        self._zero = ZeroShards(zero)
+        self._zero = ZeroShards(zero, reduce_dtype=self.precision.compute)
         name = type(model).__name__
         modules = []
         for index, graph in enumerate(graphs):
@@ -226,7 +227,11 @@ class CompiledModel(nn.Module):
         # recompute regions as checkpoints; FSDP's gathers grouped per layer, the gathered
         # weights regathered in backward
         install_memory_savers(
-            plan, modules, [p.working for p in zero], _param_layers(traced, self.lowered)
+            plan,
+            modules,
+            [p.working for p in zero],
+            _param_layers(traced, self.lowered),
+            cast_for_gather(traced, plan.precision),
         )
         object.__setattr__(self, "program", modules[0])  # not a child: it shares our tree
         object.__setattr__(self, "stage_modules", modules)
@@ -236,7 +241,8 @@ class CompiledModel(nn.Module):
                 (p, self._sync_groups(n))
                 for n, p in self._named_local()
                 if n not in self._zero.params
-            ]
+            ],
+            reduce_dtype=self.precision.compute,  # mixed precision: sums in bf16 / fp16
         )
         _share_tree(self, tree)
         if self.pipelined:

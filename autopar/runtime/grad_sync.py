@@ -38,6 +38,7 @@ class _Bucket:
     ready: int = 0
     handles: list[Any] = field(default_factory=list)
     flat: torch.Tensor | None = None
+    wire: torch.Tensor | None = None  # what is summed: ``flat``, or its reduce-dtype copy
 
 
 class GradientSync:
@@ -48,7 +49,12 @@ class GradientSync:
         params: Sequence[tuple[nn.Parameter, tuple[AxisGroup, ...]]],
         bucket_bytes: int = 25 * 2**20,
         first_bucket_bytes: int = 2**20,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
+        """``reduce_dtype``: sum floating-point gradients in this dtype (under mixed
+        precision the compute dtype, as FSDP2's ``MixedPrecisionPolicy`` reduces by default
+        and DDP's ``bf16_compress_hook`` does), cast back into the buckets after."""
+        self.reduce_dtype = reduce_dtype
         synced = [(p, groups) for p, groups in reversed(list(params)) if groups]
         items = [
             ((*(id(g) for g in groups), p.dtype, p.device), p.numel() * p.element_size())
@@ -83,8 +89,11 @@ class GradientSync:
     def _launch(self, bucket: _Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
         bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+        dtype = self.reduce_dtype
+        cast = dtype is not None and bucket.flat.is_floating_point() and bucket.flat.dtype != dtype
+        bucket.wire = bucket.flat.to(dtype) if cast else bucket.flat
         # The first axis overlaps with backward; further axes (rare) follow at the end.
-        bucket.handles = [bucket.groups[0].all_reduce(bucket.flat, async_op=True)]
+        bucket.handles = [bucket.groups[0].all_reduce(bucket.wire, async_op=True)]
 
     def _finish(self) -> None:
         for bucket in self.buckets:
@@ -92,13 +101,15 @@ class GradientSync:
                 self._launch(bucket)  # a parameter unused in this step left it incomplete
             for handle in bucket.handles:
                 handle.wait()
-            if bucket.flat is not None:
+            if bucket.flat is not None and bucket.wire is not None:
                 for group in bucket.groups[1:]:
-                    group.all_reduce(bucket.flat)
+                    group.all_reduce(bucket.wire)
+                if bucket.wire is not bucket.flat:
+                    bucket.flat.copy_(bucket.wire)
                 sums = unflatten(bucket.flat, [param.shape for param in bucket.params])
                 for param, synced in zip(bucket.params, sums, strict=True):
                     param.grad = synced
-            bucket.ready, bucket.handles, bucket.flat = 0, [], None
+            bucket.ready, bucket.handles, bucket.flat, bucket.wire = 0, [], None, None
         self._queued = False
 
     def sync_all(self) -> None:

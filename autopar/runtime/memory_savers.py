@@ -22,6 +22,7 @@ from torch import nn
 
 from autopar.runtime.collectives import AllGather
 from autopar.runtime.param_groups import GatherParams, group_param_gathers
+from autopar.runtime.precision import check_precision
 from autopar.runtime.regather import ParamGathers
 from passes.lower_recompute import wrap_recompute
 from plans.plan import Plan
@@ -32,16 +33,18 @@ def install(
     programs: list[torch.fx.GraphModule],
     working: list[torch.Tensor],
     param_layers: Mapping[str, int | None],
+    cast: frozenset[str] = frozenset(),
 ) -> ParamGathers | None:
     """Wrap ``plan``'s recompute regions in every program, group the all-gathers of
     parameters per layer (``param_layers``: each parameter's ``get_attr`` target and its
     layer, None outside the layers), and regather parameters that the programs all-gather
-    (``working``: ZeRO working copies, parameters too). Returns the regather record (None
+    (``working``: ZeRO working copies, parameters too); ``cast``: the parameters gathered
+    in the compute dtype (``passes.mixed_precision``). Returns the regather record (None
     when no program gathers a parameter)."""
     for program in programs:
         wrap_recompute(program, plan.recompute)
         # after the regions: a region's own gathers stay in it (run again in backward)
-        group_param_gathers(program, param_layers)
+        group_param_gathers(program, param_layers, cast, check_precision(plan.precision).compute)
     gathers_params = [
         module
         for program in programs

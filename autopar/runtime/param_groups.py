@@ -39,6 +39,7 @@ from autopar.runtime.collectives import (
     Group,
     all_gather_rows,
     reduce_scatter_rows,
+    to_param_dtype,
     unflatten,
 )
 from plans.errors import UsageError
@@ -194,6 +195,8 @@ class GatherParams(Collective):
 
     # set by the runtime when gathered weights are regathered in backward: runtime.regather
     gathers: Any = None
+    # the dtype the group is gathered in (FSDP2's param_dtype; passes.mixed_precision)
+    param_dtype: torch.dtype | None = None
 
     def __init__(self, group: Group, axis_name: str, dims: tuple[int, ...]) -> None:
         super().__init__(group, axis_name)
@@ -206,6 +209,7 @@ class GatherParams(Collective):
                 f"({sorted({str(s.dtype) for s in shards})}); cast the compiled model as a "
                 "whole (compiled.to(dtype)), not parameter by parameter"
             )
+        shards = tuple(to_param_dtype(shard, self.param_dtype) for shard in shards)
         wholes = _GatherGroup.apply(self.dims, self.group, *shards)
         if self.gathers is not None:
             regather = GroupRegather(shards, self.dims, self.group)
@@ -216,17 +220,25 @@ class GatherParams(Collective):
         return f"{super().extra_repr()}, params={len(self.dims)}"
 
 
-def group_param_gathers(program: fx.GraphModule, layer_of: Mapping[str, int | None]) -> int:
+def group_param_gathers(
+    program: fx.GraphModule,
+    layer_of: Mapping[str, int | None],
+    cast: frozenset[str] = frozenset(),
+    compute: torch.dtype | None = None,
+) -> int:
     """Replace ``program``'s all-gathers of parameters by one ``GatherParams`` per group;
     returns how many groups were made.
 
     ``layer_of`` maps the ``get_attr`` target of each parameter that may be grouped to its
     layer in the layer container (None: outside the layers). Gathers inside submodules
     (recompute regions) are left alone: they run again in backward with their region.
+    The parameters in ``cast`` are gathered in ``compute`` (``passes.mixed_precision``),
+    in groups of their own.
     """
-    groups = _param_gather_groups(program, layer_of)
+    groups = _param_gather_groups(program, layer_of, cast, compute)
     for key, members in groups.items():
-        _gather_as_group(program, members, _group_name(program, members[0], key))
+        dtype = compute if key[1] == str(compute) else None
+        _gather_as_group(program, members, _group_name(program, members[0], key), dtype)
     if groups:
         program.graph.lint()
         program.recompile()
@@ -237,7 +249,10 @@ GroupKey = tuple[str, str, str]  # (all-gather module, dtype, "layer3" or "outsi
 
 
 def _param_gather_groups(
-    program: fx.GraphModule, layer_of: Mapping[str, int | None]
+    program: fx.GraphModule,
+    layer_of: Mapping[str, int | None],
+    cast: frozenset[str],
+    compute: torch.dtype | None,
 ) -> dict[GroupKey, list[fx.Node]]:
     """The all-gathers of parameters in graph order, grouped; parameters outside the layers
     are grouped per run between layers (the embedding apart from the head)."""
@@ -253,7 +268,8 @@ def _param_gather_groups(
         else:
             place = f"layer{layer}"
             layers_seen.add(layer)
-        dtype = str(program.get_parameter(target).dtype)
+        stored = program.get_parameter(target).dtype
+        dtype = str(compute if target in cast and compute is not None else stored)
         groups.setdefault((str(node.target), dtype, place), []).append(node)
     return groups
 
@@ -283,14 +299,18 @@ def _group_name(program: fx.GraphModule, first: fx.Node, key: GroupKey) -> str:
     return name
 
 
-def _gather_as_group(program: fx.GraphModule, members: list[fx.Node], name: str) -> None:
+def _gather_as_group(
+    program: fx.GraphModule, members: list[fx.Node], name: str, dtype: torch.dtype | None
+) -> None:
     """One ``GatherParams`` call before the first member; each member becomes its output."""
     graph = program.graph
     single = program.get_submodule(str(members[0].target))
     assert isinstance(single, AllGather)
     sources = [member.args[0] for member in members]
     dims = tuple(_dim(program, member) for member in members)
-    program.add_submodule(name, GatherParams(single.group, single.axis_name, dims))
+    gather = GatherParams(single.group, single.axis_name, dims)
+    gather.param_dtype = dtype
+    program.add_submodule(name, gather)
     order = {node: i for i, node in enumerate(graph.nodes)}
     with graph.inserting_before(members[0]):
         grouped = graph.call_module(name, tuple(sources))

@@ -104,6 +104,7 @@ class _Bucket:
     params: list[ZeroParam]
     ready: int = 0
     started: _Started | None = None
+    reduce_dtype: torch.dtype | None = None  # mixed precision: the sums run in bf16 / fp16
 
     @property
     def first(self) -> ZeroParam:
@@ -148,8 +149,8 @@ class _Bucket:
                 grads = _all_reduce_each(grads, group)
             grads = self._sum(ready, grads, done=0)
         for p, grad in zip(ready, grads, strict=True):
-            if p.master.grad is None:
-                p.master.grad = grad.clone()  # not a view of the bucket's buffer
+            if p.master.grad is None:  # a copy: not a view of the bucket's buffer
+                p.master.grad = grad.to(p.master.dtype, copy=True)
             else:
                 p.master.grad += grad
             p.working.grad = None
@@ -157,7 +158,11 @@ class _Bucket:
     def _ready(self) -> tuple[list[ZeroParam], list[torch.Tensor]]:
         """The parameters whose working gradient backward made, and those gradients."""
         ready = [p for p in self.params if p.working.grad is not None]
-        return ready, [p.working.grad for p in ready]  # type: ignore[misc]
+        grads = [p.working.grad for p in ready]
+        dtype = self.reduce_dtype
+        if dtype is not None:
+            grads = [g.to(dtype) if g.is_floating_point() else g for g in grads]  # type: ignore[union-attr]
+        return ready, grads  # type: ignore[return-value]
 
     def _sum(
         self, ready: list[ZeroParam], grads: list[torch.Tensor], done: int
@@ -177,7 +182,11 @@ class _Bucket:
         return [master_piece(g, p.dims, p.coords, sizes) for g, p in zip(grads, ready, strict=True)]
 
 
-def make_buckets(params: list[ZeroParam], bucket_bytes: int = 25 * 2**20) -> list[_Bucket]:
+def make_buckets(
+    params: list[ZeroParam],
+    bucket_bytes: int = 25 * 2**20,
+    reduce_dtype: torch.dtype | None = None,
+) -> list[_Bucket]:
     """Group ``params`` by their groups and ZeRO stage into buckets of about
     ``bucket_bytes`` (local size), in order; a parameter that does not split evenly at
     every step gets a bucket of its own (its pieces differ in size across devices)."""
@@ -195,7 +204,10 @@ def make_buckets(params: list[ZeroParam], bucket_bytes: int = 25 * 2**20) -> lis
         )
         for p in params
     ]
-    return [_Bucket([params[i] for i in bucket]) for bucket in open_buckets(items, bucket_bytes)]
+    return [
+        _Bucket([params[i] for i in bucket], reduce_dtype=reduce_dtype)
+        for bucket in open_buckets(items, bucket_bytes)
+    ]
 
 
 def _splits_evenly(p: ZeroParam) -> bool:
@@ -241,9 +253,11 @@ def _gather_back(params: list[ZeroParam], pieces: list[torch.Tensor]) -> list[to
 class ZeroShards:
     """The ZeRO parameters of one compiled model: gathers before forward, sums after."""
 
-    def __init__(self, params: list[ZeroParam]) -> None:
+    def __init__(self, params: list[ZeroParam], reduce_dtype: torch.dtype | None = None) -> None:
+        """``reduce_dtype``: sum gradients in this dtype (mixed precision: the compute
+        dtype, as the gradient sync); masters and their gradients stay as they are."""
         self.params = {p.name: p for p in params}
-        self.buckets = make_buckets(params)
+        self.buckets = make_buckets(params, reduce_dtype=reduce_dtype)
         self._bucket_of = {id(p.working): b for b in self.buckets for p in b.params}
         self._queued = False
         # on while train_step runs a microbatch other than the last: ZeRO-1's working
