@@ -25,7 +25,8 @@ def test_pure_data_parallel_plan_costs_exactly_its_gradient_all_reduces():
     mesh = autopar.Mesh((4,), ("dp",), device="h100-sxm")
     plan = autopar.plan(model, mesh, inputs, force="dp")
     cost = MeshCost(mesh, load_preset("h100-sxm"))
-    gradient_sync = sum(cost.all_reduce(4 * _numel(p.shape), (0,)) for p in plan.params.values())
+    # the runtime sums the gradients in DDP's buckets: mlp-tiny's all fit the first one
+    gradient_sync = cost.all_reduce(sum(4 * _numel(p.shape) for p in plan.params.values()), (0,))
     # ... plus making the batch-sharded output whole for the caller, and its adjoint
     out = (8, 16)
     gather = cost.reshard(autopar.Layout(Shard(0)), autopar.Layout(Replicate()), out, 4).time
@@ -36,9 +37,10 @@ def test_pure_data_parallel_plan_costs_exactly_its_gradient_all_reduces():
 
 
 def test_fsdp_gathers_each_kept_weight_again_for_the_backward():
-    """Forced FSDP on 4 devices: each weight is all-gathered for the forward; the runtime
-    keeps no gathered weight (``runtime.regather``), so one that backward needs is gathered
-    again. The second layer's is (its input needs a gradient); the first layer's is not
+    """Forced FSDP on 4 devices: each layer's weight and bias are all-gathered together for
+    the forward (``runtime.param_groups``); the runtime keeps no gathered weight
+    (``runtime.regather``), so a layer whose weight backward needs is gathered again, as a
+    group. The second layer's is (its input needs a gradient); the first layer's is not
     (its input is the model's, which needs none, so its backward keeps no weight)."""
     model, inputs = big_mlp()
     mesh = autopar.Mesh((4,), ("dp",), device="h100-sxm")
@@ -50,7 +52,8 @@ def test_fsdp_gathers_each_kept_weight_again_for_the_backward():
         return 4 * _numel(shape) * 3 / 4
 
     weights = gather(first.shape) + 2 * gather(second.shape)
-    biases = gather(plan.params["layers.0.bias"].shape) + gather(plan.params["layers.1.bias"].shape)
+    bias_0, bias_1 = plan.params["layers.0.bias"].shape, plan.params["layers.1.bias"].shape
+    biases = gather(bias_0) + 2 * gather(bias_1)
     output = gather((8, 1024))  # the batch-split output, made whole for the caller
     assert plan.estimate.comm_bytes_by_kind["all_gather"] == pytest.approx(
         weights + biases + output

@@ -13,7 +13,7 @@ from plans.ledger import CommEntry, sent, tally, tally_entries
         ("all_reduce", 2 * 3 / 4),
         ("all_gather", 3 / 4),
         ("reduce_scatter", 3 / 4),
-        ("all_to_all", 3),
+        ("all_to_all", 3 / 4),
         ("broadcast", 1),
     ],
 )

@@ -29,6 +29,12 @@ CASES: dict[str, dict[str, Any]] = {
     "gpt/zero2": {"force": "dp", "zero": 2, "microbatches": 4},
     "llama/tp+sp": {"model": "llama-tiny", "force": "tp+sp", "microbatches": 4},
     "moe/ep": {"model": "moe-tiny", "force": "ep", "microbatches": 4},
+    # bf16_mixed: weights gathered and gradients summed in bf16, activations as autocast
+    # makes them (a norm's output stays fp32)
+    "gpt/dp/bf16": {"force": "dp", "microbatches": 4, "precision": "bf16_mixed"},
+    "gpt/fsdp/bf16": {"force": "fsdp", "microbatches": 4, "precision": "bf16_mixed"},
+    "gpt/tp+sp/bf16": {"force": "tp+sp", "microbatches": 4, "precision": "bf16_mixed"},
+    "gpt/zero2/bf16": {"force": "dp", "zero": 2, "microbatches": 4, "precision": "bf16_mixed"},
 }
 
 
