@@ -511,12 +511,13 @@ def runtime(record: dict[str, Any] | None) -> str:
         _body(module.__doc__),
         "",
         f"Model: Llama-style, {model}; batch {cfg['batch']} sequences per step; median of "
-        f"{cfg['steps']} steps after {cfg['warmup']} warm-up steps.",
+        f"{cfg['steps']} steps after {cfg['warmup']} warm-up steps; plans for the "
+        f"`{cfg.get('preset', 'cpu')}` preset.",
         "",
         "| strategy | ranks | autopar (ms) | PyTorch | PyTorch (ms) | ratio | per-step ratios "
         "(quartiles) | target | bytes sent / step: autopar | PyTorch | autopar's plan estimate "
-        "| autopar's plan (dp, tp, zero) |",
-        "|---|---:|---:|---|---:|---:|---|---|---:|---:|---:|---|",
+        "| autopar's plan (dp, tp, zero) | predicted (ms) | predicted / measured |",
+        "|---|---:|---:|---|---:|---:|---|---|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         q = r.get("step_ratio_quartiles")
@@ -527,9 +528,17 @@ def runtime(record: dict[str, Any] | None) -> str:
             f"| {r['baseline']} | {1e3 * r['baseline_step_s']:.1f} | {r['ratio']:.2f} | {spread} "
             f"| {_ok(r['ratio'] <= target)} | {_bytes(r['autopar_bytes'])} "
             f"| {_bytes(r['baseline_bytes'])} | {_bytes(r['plan_bytes'])} "
-            f"| {p['dp']}, {p['tp']}, {p['zero']} |"
+            f"| {p['dp']}, {p['tp']}, {p['zero']} | {_predicted(r)} |"
         )
     return "\n".join(lines)
+
+
+def _predicted(row: dict[str, Any]) -> str:
+    """The plan's step time and its ratio to the measured one (older records have none)."""
+    predicted = row.get("predicted_step_s")
+    if predicted is None:
+        return "- | -"
+    return f"{1e3 * predicted:.1f} | {predicted / row['autopar_step_s']:.2f}"
 
 
 def _bytes(value: float | None) -> str:

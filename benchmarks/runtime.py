@@ -34,6 +34,12 @@ baselines send as much (``ZeroRedundancyOptimizer`` all-reduces by design, and F
 reduce-scatter on gloo measures the same bytes).
 
 On 1 rank: ``autopar.compile`` on a mesh of one against the eager module, same model.
+
+Each autopar row also gives the plan's predicted step time, next to the measured one, and
+``auto`` is autopar's free choice (no style forced) on the same 4 ranks, measured in the
+same rounds, against the fastest of the PyTorch setups. Plans are made for the preset
+``local-cpu`` when this machine has one (``autopar calibrate`` writes it), else the shipped
+``cpu`` preset; the record says which.
 """
 
 from __future__ import annotations
@@ -69,8 +75,21 @@ BASELINE_NAMES = {
 }
 
 
+def _preset() -> str:
+    """``local-cpu`` when ``autopar calibrate`` measured this machine, else ``cpu``."""
+    from cost_model.hardware import load_preset
+    from plans.errors import AutoparError
+
+    try:
+        load_preset("local-cpu")
+    except AutoparError:
+        return "cpu"
+    return "local-cpu"
+
+
 def config(quick: bool) -> dict[str, Any]:
     return {
+        "preset": _preset(),
         "model": dict(QUICK_MODEL if quick else MODEL),
         "batch": 4 if quick else BATCH,
         "steps": 3 if quick else 40,
@@ -232,9 +251,9 @@ BASELINES = {
 ZERO = {"zero1": 1, "zero2": 2}
 
 
-def _autopar(model: WithLoss, inputs: tuple, style: str | None, world: int) -> Variant:
+def _autopar(model: WithLoss, inputs: tuple, style: str | None, world: int, preset: str) -> Variant:
     axis = "tp" if style == "tp" else "dp"
-    mesh = autopar.Mesh((world,), (axis,), device="cpu")
+    mesh = autopar.Mesh((world,), (axis,), device=preset)
     options: dict[str, Any] = {}
     if style in ZERO:
         options.update(force="dp", zero=ZERO[style])
@@ -243,7 +262,7 @@ def _autopar(model: WithLoss, inputs: tuple, style: str | None, world: int) -> V
     if style == "tp":  # force="tp" alone lets the batch split on the tp axis too (FSDP-like)
         options["hints"] = {"ban": {"tp": ["data_parallel"]}}
     compiled = autopar.compile(model, mesh, example_inputs=inputs, **options)
-    return Variant(f"autopar {style or 'unforced'}", compiled, inputs, compiled.plan)
+    return Variant(f"autopar {style or 'auto'}", compiled, inputs, compiled.plan)
 
 
 def _run(variants: list[Variant], steps: int, warmup: int) -> None:
@@ -257,8 +276,9 @@ def ranks_work(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     model, inputs = _make_model(cfg["model"], cfg["batch"])
     variants = []
     for style in STRATEGIES:
-        variants.append(_autopar(copy.deepcopy(model), inputs, style, world))
+        variants.append(_autopar(copy.deepcopy(model), inputs, style, world, cfg["preset"]))
         variants.append(BASELINES[style](copy.deepcopy(model), inputs, rank, world))
+    variants.append(_autopar(copy.deepcopy(model), inputs, None, world, cfg["preset"]))
     _run(variants, cfg["steps"], cfg["warmup"])
     return _report(variants)
 
@@ -267,7 +287,7 @@ def single_work(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """On one rank: the compiled module against the eager one."""
     model, inputs = _make_model(cfg["model"], cfg["batch"])
     variants = [
-        _autopar(copy.deepcopy(model), inputs, None, world),
+        _autopar(copy.deepcopy(model), inputs, None, world, cfg["preset"]),
         Variant("eager", copy.deepcopy(model), inputs),
     ]
     _run(variants, cfg["steps"], cfg["warmup"])
@@ -281,6 +301,7 @@ def _report(variants: list[Variant]) -> dict[str, Any]:
             "bytes": v.bytes,
             "losses": v.losses,
             "plan_bytes": v.plan.estimate.comm_bytes_per_step if v.plan is not None else None,
+            "predicted_s": v.plan.estimate.step_time_s if v.plan is not None else None,
             "parallelism": v.plan.parallelism.model_dump() if v.plan is not None else None,
         }
         for v in variants
@@ -299,6 +320,7 @@ def combine(per_rank: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "steps_s": slowest,
             "bytes_per_step": statistics.median(first["bytes"]),
             "plan_bytes_per_step": first["plan_bytes"],
+            "predicted_s": first["predicted_s"],
             "parallelism": first["parallelism"],
             "loss_first": first["losses"][0],
         }
@@ -317,8 +339,10 @@ def run(quick: bool = False) -> dict[str, Any]:
         baseline = BASELINE_NAMES[style]
         mine, theirs = four[f"autopar {style}"], four[baseline]
         rows.append(_row(style, cfg["world_size"], mine, theirs, baseline))
+    fastest = min(BASELINE_NAMES.values(), key=lambda name: four[name]["step_s"])
+    rows.append(_row("auto", cfg["world_size"], four["autopar auto"], four[fastest], fastest))
     one = combine(single)
-    rows.append(_row("none", 1, one["autopar unforced"], one["eager"], "eager"))
+    rows.append(_row("none", 1, one["autopar auto"], one["eager"], "eager"))
     return {"config": cfg, "rows": rows, "seconds": time.perf_counter() - start}
 
 
@@ -335,6 +359,7 @@ def _row(
         "ranks": ranks,
         "baseline": baseline,
         "autopar_step_s": mine["step_s"],
+        "predicted_step_s": mine["predicted_s"],
         "baseline_step_s": theirs["step_s"],
         "ratio": mine["step_s"] / theirs["step_s"],
         "autopar_bytes": mine["bytes_per_step"],

@@ -22,6 +22,7 @@ training step per device, or bytes per device.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -30,6 +31,7 @@ from cost_model.compute import op_time
 from cost_model.memory import param_state_bytes, precision_policy
 from passes.annotation import NodeAnnotation, TensorInfo
 from passes.strategies.types import Strategy
+from plans.buckets import BUCKET_BYTES, ddp_buckets
 from plans.placement import PARTIAL, REPLICATE, Layout, Partial, Replicate, Shard
 
 
@@ -69,6 +71,9 @@ class CostModel:
     # activations of a microbatch of (batch_scale x) the traced batch: what memory needs
     # when the search runs smaller microbatches than were traced (passes.pipeline.search)
     batch_scale: float = 1.0
+    # what fills one gradient-sync bucket: DDP's 25 MiB, or the whole model's gradients
+    # when they are fewer (``bucketed``)
+    bucket_bytes: float = BUCKET_BYTES
     _edge_cache: dict[object, tuple[float, float]] = field(
         default_factory=dict, repr=False, compare=False
     )
@@ -187,6 +192,19 @@ class CostModel:
         bwd = self.mesh_cost.reshard(dual(dst), dual(src), info.shape, itemsize).time
         return fwd, bwd
 
+    def bucketed(self, kind: str, nbytes: float, axes: tuple[int, ...]) -> float:
+        """Seconds of one parameter's share of a bucketed collective (gradient sync, ZeRO):
+        its bytes' time, and of the fixed cost of a call (launch and hop latencies) the
+        share its bytes take of a bucket (``bucket_bytes``). The runtime sums gradients in
+        DDP's 25 MiB buckets (``plans.buckets``), so it pays that cost once a bucket, not
+        once a parameter (a model of small tensors paid it hundreds of times in the ILP);
+        a model smaller than a bucket pays it once in all."""
+        whole = self.mesh_cost.collective(kind, nbytes, axes).time
+        if nbytes <= 0:
+            return whole
+        fixed = self.mesh_cost.collective(kind, 1.0, axes).time  # a byte: the fixed cost
+        return whole - fixed + fixed * min(1.0, nbytes / self.bucket_bytes)
+
     def param_cost(self, info: TensorInfo, layout: Layout) -> ParamCost:
         """Memory and gradient-sync time of a parameter stored in ``layout``."""
         params, grads, optimizer = param_state_bytes(info.shape, self.optimizer, self.precision)
@@ -202,11 +220,11 @@ class CostModel:
         sync = 0.0
         if replicated:
             if self.zero:
-                sync = self.mesh_cost.reduce_scatter(
-                    grad_bytes, replicated
-                ) + self.mesh_cost.all_gather(params / shard, replicated)
+                sync = self.bucketed("reduce_scatter", grad_bytes, replicated) + self.bucketed(
+                    "all_gather", params / shard, replicated
+                )
             else:
-                sync = self.mesh_cost.all_reduce(grad_bytes, replicated)
+                sync = self.bucketed("all_reduce", grad_bytes, replicated)
         return ParamCost(
             params=params / shard,
             grads=grad_bytes / (zero_shard if self.zero >= 2 else 1),
@@ -232,3 +250,17 @@ def zero_layout_of(layout: Layout, shape: tuple[int, ...], mesh_shape: tuple[int
                 placements[axis] = Shard(dim)
                 break
     return Layout(*placements)
+
+
+def gradient_bytes(params: list[tuple[tuple[int, ...], int]]) -> int:
+    """The whole model's gradient bytes, for ``(shape, bytes per value)`` of every parameter."""
+    return sum(math.prod(shape) * itemsize for shape, itemsize in params)
+
+
+def sync_buckets(params: list[tuple[tuple[int, ...], int]]) -> int:
+    """How many buckets the runtime sums gradients in, for ``(shape, bytes per value)`` of
+    every parameter, whole (``plans.buckets.ddp_buckets``): the ``k`` of the exposed
+    gradient-sync rule (``cost_model.step.exposed_gradient_sync``). Sharded parameters
+    make fewer; counting them whole errs toward more hiding."""
+    items = [(0, math.prod(shape) * itemsize) for shape, itemsize in reversed(params)]
+    return max(len(ddp_buckets(items)), 1)

@@ -150,7 +150,7 @@ class _Ledger:
         if reshard.regathered:
             for call in calls:
                 nbytes = call.elements * size
-                self.add("all_gather", call.axis, dtype, nbytes, "backward", f"{what}, again")
+                self.add("all_gather", call.axis, dtype, nbytes, "backward", f"{what} (regather)")
 
 
 def step_ledger(traced: TracedModel, plan: Plan, *, batch_scale: float = 1.0) -> list[CommEntry]:
@@ -168,12 +168,12 @@ def step_ledger(traced: TracedModel, plan: Plan, *, batch_scale: float = 1.0) ->
         # gathered in the compute dtype when its parameters are (passes.mixed_precision)
         dtype = compute if compute and members[0].param in cast else members[0].dtype
         nbytes = sum(r.calls[0].elements for r in members) * _itemsize(dtype)
-        what = f"FSDP gather of {len(members)} parameter(s), {place}"
-        ledger.add("all_gather", axis, dtype, nbytes, "forward", what)
+        what = f"{place}, {len(members)} params"
+        ledger.add("all_gather", axis, dtype, nbytes, "forward", f"FSDP gather: {what}")
         if any(r.requires_grad for r in members):
-            ledger.add("reduce_scatter", axis, dtype, nbytes, "backward", what)
+            ledger.add("reduce_scatter", axis, dtype, nbytes, "backward", f"FSDP gather: {what}")
         if any(r.regathered for r in members):  # fetched from the group again, once
-            ledger.add("all_gather", axis, dtype, nbytes, "backward", f"{what}, again")
+            ledger.add("all_gather", axis, dtype, nbytes, "backward", f"FSDP regather: {what}")
         for reshard in members:  # the steps after the group's gather, on its output
             if len(reshard.calls) > 1:
                 ledger.reshard(reshard, reshard.calls[1:], dtype, f"reshard of {reshard.param}")
@@ -312,7 +312,7 @@ def _itemsize(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
-GroupKey = tuple[int, str, str]  # (mesh axis, dtype, "layer 3" or "outside the layers, 1")
+GroupKey = tuple[int, str, str]  # (mesh axis, dtype, "layer 3" or "after 2 layers")
 
 
 def _fsdp_groups(
@@ -343,7 +343,7 @@ def _fsdp_groups(
         assert param is not None
         layer = container.index_of(param) if container is not None else None
         if layer is None:
-            place = f"outside the layers, {len(layers_seen)}"
+            place = f"after {len(layers_seen)} layers"
         else:
             place = f"layer {layer}"
             layers_seen.add(layer)
@@ -404,7 +404,7 @@ def _gradient_sync(traced: TracedModel, plan: Plan, ledger: _Ledger) -> None:
         axes, stored, _ = synced[bucket[0]]
         dtype = _wire_dtype(plan, stored)
         nbytes = sum(synced[i][2] for i in bucket) * _itemsize(dtype)
-        what = f"gradient sync, bucket {number} ({len(bucket)} parameter(s))"
+        what = f"gradient sync: bucket {number}, {len(bucket)} params"
         for axis in axes:
             ledger.add(
                 "all_reduce",
@@ -453,7 +453,7 @@ def _zero(traced: TracedModel, plan: Plan, ledger: _Ledger) -> None:
     for number, bucket in enumerate(open_buckets([(m[0], m[1]) for m in members])):
         _, _, _, zero_axes, others, stage2, stored = members[bucket[0]]
         numel = sum(members[i][2] for i in bucket)
-        what = f"ZeRO-{2 if stage2 else 1} bucket {number} ({len(bucket)} parameter(s))"
+        what = f"ZeRO-{2 if stage2 else 1}: bucket {number}, {len(bucket)} params"
         wire = _wire_dtype(plan, stored)
         size = float(numel * _itemsize(wire))
         for axis in others:

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field, replace
 
 from cost_model.collectives import MeshCost
 from cost_model.hardware import load_preset
-from passes.costs import CostModel
+from cost_model.memory import precision_policy
+from passes.costs import CostModel, gradient_bytes, sync_buckets
 from passes.decisions import Decisions, group_decisions
 from passes.ilp import IlpProblem, dominates, solve_ilp
 from passes.layer_sharing import layer_representatives
@@ -39,6 +40,7 @@ from passes.recompute import (
 from passes.strategies.graph import NodeChoices, graph_choices
 from passes.strategies.types import Strategy
 from passes.trace import TracedModel
+from plans.buckets import BUCKET_BYTES
 from plans.errors import InfeasiblePlanError
 from plans.mesh import MeshSpec
 from plans.plan import SolverReport
@@ -219,10 +221,21 @@ def _solve(
         if not ok:  # no solve can help: say which op, before building any
             raise no_strategy_error(decisions, decision, mesh)
     mesh_cost = MeshCost(mesh, load_preset(mesh.device))
+    # buckets fill by the gradients' bytes as held (fp32 under mixed precision) and are
+    # summed in the bytes the cost model charges for them (``precision_policy.grad``)
+    held = 2 if request.precision == "bf16" else 4
+    summed = precision_policy(request.precision).grad
+    grads = [(info.shape, held) for info in traced.params.values()]
+    bucket = min(BUCKET_BYTES * summed / held, max(gradient_bytes(grads) * summed / held, 1.0))
 
     def build(zero: int, limit: float | None) -> Built:
         cost = CostModel(
-            mesh_cost, request.optimizer, request.precision, zero, batch_scale=request.batch_scale
+            mesh_cost,
+            request.optimizer,
+            request.precision,
+            zero,
+            batch_scale=request.batch_scale,
+            bucket_bytes=bucket,
         )
         parts = build_problem(
             decisions, cost, representatives, limit, allowed, request.microbatches
@@ -235,7 +248,7 @@ def _solve(
         apply_recompute_hints(regions, request.recompute_hints, traced.graph)
         parts.problem.recompute = recompute_terms(regions, request.microbatches)
         parts.problem.recompute_budgets = recompute_budgets(regions)
-        parts.problem.buckets = traced.layers.count if traced.layers else 1
+        parts.problem.buckets = sync_buckets(grads)
         return Built(zero, cost, parts, regions)
 
     def run(

@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 MIB = 2**20
+BUCKET_BYTES = 25 * MIB  # DDP's bucket_cap_mb
 
 
 def ddp_buckets(
     items: Sequence[tuple[Hashable, int]],
-    bucket_bytes: int = 25 * MIB,
+    bucket_bytes: int = BUCKET_BYTES,
     first_bucket_bytes: int = MIB,
 ) -> list[list[int]]:
     """DDP's buckets: per key (in order of first appearance), items in order, a bucket
@@ -40,7 +41,7 @@ def ddp_buckets(
 
 
 def open_buckets(
-    items: Sequence[tuple[Hashable | None, int]], bucket_bytes: int = 25 * MIB
+    items: Sequence[tuple[Hashable | None, int]], bucket_bytes: int = BUCKET_BYTES
 ) -> list[list[int]]:
     """ZeRO's buckets: each key keeps one open bucket, which takes an item while it stays
     within ``bucket_bytes`` (else a new one opens for the key); a ``None`` key gets a bucket

@@ -225,6 +225,9 @@ def layouts_table(plan: Plan) -> Table:
     return table
 
 
+SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
 def comm_table(plan: Plan) -> Table:
     """The plan's ledger (``plans.ledger``): every collective a step issues, the sites of one
     shape folded into a row (phase, kind, axes, dtype, bytes per call, what hides it), the
@@ -261,7 +264,7 @@ def comm_table(plan: Plan) -> Table:
         hidden = "" if overlap == "none" else f" (under {overlap})"
         table.add_row(
             phase,
-            f"{kind} {','.join(axes)} {dtype}",
+            f"{kind} {','.join(axes)} {SHORT_DTYPES.get(dtype, dtype)}",
             format_bytes(nbytes),
             str(calls),
             format_seconds(time),

@@ -493,7 +493,7 @@ def _evaluate(
     request: PipelineRequest,
 ) -> Candidate | tuple[float, str] | None:
     """A costed configuration, or (memory it needs, what) when it does not fit."""
-    layers = len(costs.layers)
+    buckets = solved.parts.problem.buckets  # the runtime's gradient-sync buckets
     scale = b / source.batch
     limit = request.solve.memory_limit
     if p == 1:
@@ -506,7 +506,7 @@ def _evaluate(
         activations = sum(part.activations for part in parts) * scale
         sync = sum(part.sync_s for part in parts) + m * sum(part.gather_s for part in parts)
         backward = (sum(part.compute_s - part.forward_s for part in parts)) * scale
-        step = m * time + exposed_gradient_sync(sync, m * backward, max(layers, 1))
+        step = m * time + exposed_gradient_sync(sync, m * backward, buckets)
         memory = states + activations
         forward = sum(part.forward_s for part in parts) * scale
         candidate = Candidate(
@@ -548,7 +548,7 @@ def _evaluate(
         costs, cut, p, chunks, lambda part: (part.compute_s - part.forward_s) * scale
     )
     exposed = max(
-        exposed_gradient_sync(s, b_ * m, max(layers // p, 1))
+        exposed_gradient_sync(s, b_ * m, max(buckets // p, 1))
         for s, b_ in zip(syncs, backwards, strict=True)
     )
     step = pipeline + exposed

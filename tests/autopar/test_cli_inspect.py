@@ -14,6 +14,7 @@ import yaml
 
 from plans import Plan, load_plan, save_plan
 from plans.placement import Layout, Replicate, Shard
+from plans.units import format_bytes
 
 MEGATRON = Path(__file__).resolve().parents[2] / "examples" / "hints" / "megatron.yaml"
 
@@ -101,6 +102,17 @@ def test_show_prints_tables_json_and_yaml(planned):
     assert Plan.model_validate(json.loads(as_json.stdout)) == load_plan(planned["a"])
     as_yaml = run("show", str(planned["a"]), "--format", "yaml")
     assert Plan.model_validate(yaml.safe_load(as_yaml.stdout)) == load_plan(planned["a"])
+
+
+def test_show_comm_prints_the_ledger_with_the_summary_totals(planned):
+    plan = load_plan(planned["a"])
+    assert plan.estimate.comm  # a plan without pipeline stages carries its ledger
+    shown = run("show", str(planned["a"]), "--comm")
+    assert shown.returncode == 0, shown.stderr
+    assert "communication per step (the ledger)" in shown.stdout
+    assert f"{format_bytes(plan.estimate.comm_bytes_per_step)} sent" in shown.stdout
+    for kind in {entry.kind for entry in plan.estimate.comm}:
+        assert kind in shown.stdout
 
 
 def test_explain_names_the_hint_that_decided(planned):

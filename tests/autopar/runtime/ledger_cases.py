@@ -18,6 +18,10 @@ from tests.autopar.runtime.collective_counts import counting
 from tests.autopar.runtime.features import cross_entropy
 
 
+def _nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def logits_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of the logits (a mixture of experts returns them first in a tuple)."""
     return cross_entropy(output[0] if isinstance(output, tuple) else output, target)
@@ -56,6 +60,7 @@ def observed_and_planned(
         with counting(raw):  # the second step: ZeRO gathers the masters the first stepped
             optimizer.zero_grad()
             compiled.train_step(batch, batch)
+            grads = _nbytes(p.grad for p in compiled.parameters() if p.grad is not None)
             optimizer.step()
         plan = compiled.plan
         results.append(
@@ -64,6 +69,18 @@ def observed_and_planned(
                 "parallelism": str(plan.parallelism),
                 "observed": compiled.observed_collectives(),
                 "torch_calls": sum(raw.values()),
+                "held": {
+                    "params": _nbytes(compiled.parameters()),
+                    "working": _nbytes(z.working for z in compiled._zero.params.values()),
+                    "grads": grads,
+                    "optimizer": _nbytes(
+                        t
+                        for state in optimizer.state.values()
+                        for t in state.values()
+                        if torch.is_tensor(t) and t.dim() > 0  # not Adam's step count
+                    ),
+                },
+                "memory": plan.estimate.memory_per_device_bytes.model_dump(),
                 "planned": tally_entries(plan.estimate.comm),
                 "calls": [
                     (c.kind, c.axes, c.dtype, c.nbytes, c.phase) for c in compiled.observed_calls()
