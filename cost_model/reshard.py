@@ -16,10 +16,13 @@ all_gather      the array after: S_axis
 ==============  ===============================================================
 
 ``S_axis`` is the global size divided by the shard factors of the *other* mesh axes at that
-moment. Steps of one kind that the planner puts in one group (the same phase of a round) are
-priced as one collective over their axes, so ``MeshCost.collective`` may pick its
-hierarchical form (``[P, P] -> [R, R]`` is one all-reduce over both axes); all-to-alls are
-priced one axis at a time.
+moment. Each step is priced on its own axis, in order, because that is how the runtime runs
+it (``passes.lower_spmd`` emits one collective per axis): ``[P, P] -> [R, R]`` is two
+all-reduces, one per axis. Pricing a phase's steps as one collective over their axes, in
+the hierarchical form ``MeshCost.collective`` may pick, charged a form the runtime does
+not run: on a cluster mesh, gathering gpt-tiny's logits over ``(node, gpu)`` priced the
+slow inter-node link for an eighth of the bytes that the runtime's inner-first order sends
+over it.
 
 Compare torch DTensor's ``redistribute_cost``, which charges an all-to-all as an all-gather
 plus a penalty and has no notion of grouping. What this leaves out: the copies that make a
@@ -41,13 +44,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from plans.errors import UsageError
 from plans.placement import Layout, Shard
-from plans.reshard import LOCAL_KINDS, AxisStep, plan_reshard
+from plans.reshard import LOCAL_KINDS, plan_reshard
 
 if TYPE_CHECKING:
     from cost_model.collectives import MeshCost
-
-
-GROUPED = ("reduce_scatter", "all_reduce", "all_gather")
 
 
 class ReshardStep(NamedTuple):
@@ -98,7 +98,8 @@ def reshard_cost(
     _check(src, dst, shape, len(mesh_shape))
     total = float(math.prod(shape) * itemsize)
     priced: list[ReshardStep] = []
-    for kind, axes, before in _collectives(plan_reshard(src, dst)):
+    for step in plan_reshard(src, dst):
+        kind, axes, before = step.kind, (step.axis,), step.before
         if kind in LOCAL_KINDS:
             priced.append(ReshardStep(kind, axes, 0.0, 0.0))
             continue
@@ -111,21 +112,3 @@ def reshard_cost(
         result = cost.collective(kind, nbytes, axes)
         priced.append(ReshardStep(kind, axes, nbytes, result.time, result.form, result.sent))
     return Reshard(sum(s.time for s in priced), tuple(priced))
-
-
-def _collectives(steps: tuple[AxisStep, ...]) -> list[tuple[str, tuple[int, ...], Layout]]:
-    """The planner's steps as priced: (kind, axes, layout before); a group's reduce-scatters,
-    all-reduces or all-gathers become one collective over their axes."""
-    out: list[tuple[str, tuple[int, ...], Layout]] = []
-    for index, step in enumerate(steps):
-        previous = steps[index - 1] if index else None
-        if (
-            previous is not None
-            and step.kind in GROUPED
-            and (previous.kind, previous.group) == (step.kind, step.group)
-        ):
-            kind, axes, before = out[-1]
-            out[-1] = (kind, (*axes, step.axis), before)
-        else:
-            out.append((step.kind, (step.axis,), step.before))
-    return out

@@ -4,8 +4,8 @@ For every decision choice: the compute time of its members and followers (forwar
 backward), their activation memory, the parameters' memory and gradient synchronisation
 (overlappable with the backward pass). For every edge between two decisions: the
 resharding time matrix, forward plus the adjoint backward. Edges out of a parameter (the
-all-gather of an FSDP-sharded weight, and its reduce-scatter in backward) count as
-overlappable too: they are prefetched ahead of use.
+all-gather of an FSDP-sharded weight, and its reduce-scatter in backward) are inline like
+any other: the runtime does not prefetch them (yet), so nothing hides them.
 
 Costs are computed once per *representative* edge and node and multiplied by how many
 identical layers repeat them, so building the problem stays flat in depth.
@@ -243,7 +243,9 @@ def _edge_costs(
                 parts.self_edge[left][k] += fwd_m.get((p, q), 0.0) + bwd_m.get((p, q), 0.0)
                 parts.self_memory[left][k] += memory_m.get((p, q), 0.0)
             continue
-        overlappable = decisions.choices[producer].kind == "param"
+        # a parameter's gather blocks too: the runtime gathers it when it is used (FSDP2's
+        # prefetch is not there yet), and the ledger charges it so
+        overlappable = False
         parts.edge_terms.append(
             (
                 EdgeTerm(

@@ -54,7 +54,7 @@ class CommLog:
     """The collectives issued since the log was last cleared.
 
     ``CompiledModel.train_step`` clears it when a step starts; a user's own loop clears it
-    with ``CompiledModel.observe_collectives()``."""
+    with ``CompiledModel.reset_observed()``."""
 
     calls: list[Call] = field(default_factory=list)
 

@@ -30,7 +30,9 @@ class Part:
     compute_s: float = 0.0  # forward + backward, one microbatch
     forward_s: float = 0.0
     comm_s: float = 0.0  # resharding inside the part, forward + backward, one microbatch
-    gather_s: float = 0.0  # parameter gathers (FSDP) and their adjoints, one microbatch
+    # parameter gathers (FSDP) and their adjoints, one microbatch: the same bytes whatever
+    # its size, and not hidden (the runtime gathers a parameter when it is used)
+    gather_s: float = 0.0
     activations: float = 0.0  # saved bytes, one microbatch
     states: float = 0.0  # parameters + gradients + optimizer states
     sync_s: float = 0.0  # gradient synchronisation, once per step
@@ -38,11 +40,10 @@ class Part:
     recompute_s: float = 0.0  # forward run again in backward, one microbatch
     params: dict[str, float] = field(default_factory=dict)  # name -> state bytes
 
-    @property
-    def time_s(self) -> float:
-        """Per microbatch: compute, resharding, and parameter gathers that the compute
-        does not hide (they are prefetched ahead of use)."""
-        return self.compute_s + self.comm_s + max(0.0, self.gather_s - self.compute_s)
+    def time_at(self, scale: float) -> float:
+        """Per microbatch of ``scale`` times the traced batch: compute and resharding grow
+        with it, parameter gathers do not."""
+        return (self.compute_s + self.comm_s) * scale + self.gather_s
 
 
 @dataclass

@@ -498,13 +498,13 @@ def _evaluate(
     limit = request.solve.memory_limit
     if p == 1:
         parts = [costs.pre, *costs.layers, costs.post]
-        # as the intra-op ILP counts it: compute and resharding per microbatch; gradient
-        # sync once, parameter gathers per microbatch, hidden bucket by bucket behind the
-        # backward passes (cost_model.step.exposed_gradient_sync)
-        time = sum(part.compute_s + part.comm_s for part in parts) * scale
+        # as the intra-op ILP counts it: compute, resharding and parameter gathers per
+        # microbatch; gradient sync once, hidden bucket by bucket behind the backward passes
+        # (cost_model.step.exposed_gradient_sync)
+        time = sum(part.time_at(scale) for part in parts)
         states = sum(part.states for part in parts) - _shared_states(costs)
         activations = sum(part.activations for part in parts) * scale
-        sync = sum(part.sync_s for part in parts) + m * sum(part.gather_s for part in parts)
+        sync = sum(part.sync_s for part in parts)
         backward = (sum(part.compute_s - part.forward_s for part in parts)) * scale
         step = m * time + exposed_gradient_sync(sync, m * backward, buckets)
         memory = states + activations
@@ -626,7 +626,7 @@ def _interleaved_cut(
         held = microbatches_in_flight("interleaved", p, s, m, v)
         state = sum(part.states for part in parts)
         act = held * scale * sum(part.activations for part in parts)
-        times.append(sum(part.time_s for part in parts) * scale + p2p[s])
+        times.append(sum(part.time_at(scale) for part in parts) + p2p[s])
         states.append(state)
         acts.append(act)
         memory.append(state + act)

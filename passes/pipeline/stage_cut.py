@@ -69,18 +69,18 @@ def cut_stages(
     if p > count:
         return None
     held = [microbatches_in_flight(schedule, p, s, microbatches) for s in range(p)]
-    time_sum = _prefix([layer.time_s for layer in costs.layers])
+    time_sum = _prefix([layer.time_at(scale) for layer in costs.layers])
     state_sum = _prefix([layer.states for layer in costs.layers])
     act_sum = _prefix([layer.activations for layer in costs.layers])
 
     def stage(s: int, first: int, end: int) -> tuple[float, float]:
         """Time and memory of stage ``s`` holding layers ``first .. end - 1``."""
-        time = (time_sum[end] - time_sum[first]) * scale + p2p_s[s]
+        time = time_sum[end] - time_sum[first] + p2p_s[s]
         states = state_sum[end] - state_sum[first]
         acts = act_sum[end] - act_sum[first]
         for edge, part in ((s == 0, costs.pre), (s == p - 1, costs.post)):
             if edge:
-                time += part.time_s * scale
+                time += part.time_at(scale)
                 states += part.states
                 acts += part.activations
         return time, states + held[s] * scale * acts
@@ -142,7 +142,7 @@ def evaluate_cut(
         held = microbatches_in_flight(schedule, p, s, microbatches)
         state = sum(part.states for part in parts)
         act = held * scale * sum(part.activations for part in parts)
-        times.append(sum(part.time_s for part in parts) * scale + p2p_s[s])
+        times.append(sum(part.time_at(scale) for part in parts) + p2p_s[s])
         states.append(state)
         acts.append(act)
         memory.append(state + act)
