@@ -361,12 +361,13 @@ def data_parallel_gpt2():
     return traced, request, memory
 
 
-def test_recomputing_a_few_layers_beats_a_zero_stage_that_fits_without(
+def test_a_zero_stage_that_fits_costs_no_more_than_recomputing_layers(
     data_parallel_gpt2, monkeypatch
 ):
-    """10% of the way from ZeRO-0's memory down to ZeRO-2's: without recomputation ZeRO-1
-    fits (its reduce-scatter and all-gather per parameter cost more than the all-reduce);
-    the joint solve stays at ZeRO-0 and recomputes layers instead, which is faster."""
+    """10% of the way from ZeRO-0's memory down to ZeRO-2's, ZeRO-1 fits without
+    recomputation. Its reduce-scatter and all-gather send what the all-reduce sends, in the
+    same buckets (a call's fixed cost once a bucket, as the runtime pays it), so the joint
+    solve takes it too, recomputing nothing: recomputation would only add forward time."""
     traced, request, memory = data_parallel_gpt2
     limit = memory[0] - 0.1 * (memory[0] - memory[2])
     assert memory[1] < limit < memory[0]
@@ -374,8 +375,8 @@ def test_recomputing_a_few_layers_beats_a_zero_stage_that_fits_without(
     no_recompute(monkeypatch)
     plain = solve_sharding(traced, replace(request, memory_limit=limit))
     assert plain.zero >= 1 and not any(plain.recompute.values())
-    assert joint.zero == 0 and any(joint.recompute.values())
-    assert joint.report.objective < plain.report.objective * (1 - 1e-2)
+    assert joint.zero >= 1 and not any(joint.recompute.values())
+    assert _tie(joint.report.objective, plain.report.objective)
     assert joint.memory() <= limit + 1e-6 * GIB  # HiGHS's tolerance on the GiB row
 
 
