@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 
 from cost_model.collective_bench import measure_collectives
 from cost_model.hardware import DevicePreset, Efficiency, Link, load_preset
+from plans.errors import UsageError
 
 
 class Budget(NamedTuple):
@@ -205,21 +206,44 @@ def calibrate(
     quick: bool = False,
     collectives: bool = True,
     device: torch.device | str | None = None,
+    ranks: int = 1,
 ) -> Calibration:
-    """Measure this machine (its first GPU if any, else the CPU) and describe it as a preset."""
+    """Measure this machine (its first GPU if any, else the CPU) and describe it as a preset.
+
+    ``ranks`` (CPU only): the device is one of that many ranks sharing the machine, as
+    ``autopar.testing.run_ranks`` runs them (one torch thread each): compute is measured on
+    ``cores // ranks`` threads (at least one) and divided by how many ranks share each
+    thread's core; memory and its bandwidth are divided among the ranks."""
     device = torch.device(device) if device is not None else _default_device()
+    if ranks < 1 or (ranks > 1 and device.type != "cpu"):
+        raise UsageError(f"ranks={ranks}: one or more, and more than one only on a CPU")
     budget = QUICK if quick else FULL
     base = _base_preset(device)
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // ranks) if ranks > 1 else torch.get_num_threads()
+    share = min(1.0, cores / (ranks * threads)) if ranks > 1 else 1.0
     notes: list[str] = [
-        f"measured by `autopar calibrate{' --quick' if quick else ''}` on "
+        f"measured by `autopar calibrate{' --quick' if quick else ''}"
+        f"{f' --ranks {ranks}' if ranks > 1 else ''}` on "
         f"{_describe(device)} with torch {torch.__version__}"
     ]
-    peaks = _measure_peaks(device, budget)
-    memory_bandwidth = _rounded(measure_memory_bandwidth(device, budget))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        peaks = {k: _rounded(v * share) for k, v in _measure_peaks(device, budget).items()}
+    finally:
+        torch.set_num_threads(before)
+    memory_bandwidth = _rounded(measure_memory_bandwidth(device, budget) / ranks)
     notes.append(
         "peak_flops: achieved square-matmul FLOP/s; memory_bandwidth: achieved copy "
         f"bandwidth of {budget.copy_bytes >> 20} MiB (read + write)"
     )
+    if ranks > 1:
+        notes.append(
+            f"one of {ranks} ranks on {cores} cores: matmuls on {threads} thread(s), times "
+            f"{share:.2f} (the ranks sharing a core); memory and its bandwidth divided by "
+            f"{ranks}; the collectives as measured on 2 processes"
+        )
     if collectives:
         intra, launch = _measure_links(device, budget, base, notes)
     else:
@@ -240,7 +264,7 @@ def calibrate(
         name=name or default_name(device),
         description=f"calibrated on {_describe(device)}",
         peak_flops={**peaks, **{k: _rounded(v) for k, v in borrowed.items()}},
-        memory_bytes=_device_memory(device),
+        memory_bytes=_device_memory(device) / ranks,
         memory_bandwidth=memory_bandwidth,
         gpus_per_node=gpus_per_node,
         intra_node=intra,

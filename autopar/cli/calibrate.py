@@ -39,6 +39,14 @@ def add_parser(subparsers: Any) -> None:
         "--quick", action="store_true", help="short, small measurements (seconds, less precise)"
     )
     parser.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        metavar="N",
+        help="on a CPU: the preset describes one of N ranks sharing this machine (one "
+        "thread each, as local gloo ranks run), its share of compute and memory",
+    )
+    parser.add_argument(
         "--skip-collectives",
         action="store_true",
         help="do not start processes to measure the collectives",
@@ -54,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--name {name!r}: give a plain name such as 'my-cluster'; use -o for the file"
         )
-    result = calibrate(name=name, quick=args.quick, collectives=not args.skip_collectives)
+    result = calibrate(
+        name=name, quick=args.quick, collectives=not args.skip_collectives, ranks=args.ranks
+    )
     output = args.output or USER_PRESET_DIR.expanduser() / f"{name}.yaml"
     path = save_preset(result.preset, output, header="\n".join(result.notes))
     width = max(len(label) for label, _ in summary_rows(result.preset))

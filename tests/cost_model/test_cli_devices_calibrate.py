@@ -79,3 +79,27 @@ def test_calibrate_refuses_a_path_as_name(tmp_path):
     )
     assert result.returncode == 2
     assert "--name" in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--ranks describes ranks sharing a CPU")
+def test_calibrate_for_ranks_sharing_the_cpu_divides_the_machine(tmp_path):
+    """As ``run_ranks`` runs them: one thread a rank, the cores time-shared, the memory and
+    its bandwidth split; the header says how."""
+    out = tmp_path / "rank.yaml"
+    result = autopar("calibrate", "--quick", "--skip-collectives", "--ranks", "8", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    preset = load_preset(str(out))
+    cores = os.cpu_count() or 1
+    header = out.read_text()
+    assert f"one of 8 ranks on {cores} cores" in header
+    assert "--ranks 8" in header
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert preset.memory_bytes == pytest.approx(machine / 8, rel=0.01)
+
+
+def test_calibrate_refuses_ranks_below_one(tmp_path):
+    result = autopar(
+        "calibrate", "--quick", "--skip-collectives", "--ranks", "0", "-o", str(tmp_path / "x")
+    )
+    assert result.returncode == 2
+    assert "ranks=0" in result.stderr
