@@ -14,10 +14,11 @@ Variables (``passes.decisions`` made them few):
   branch and bound has little to do.
 - An edge's pair may also hold memory: a consumer that keeps its input for backward keeps
   the resharded copy when the input arrives resharded; that is a term of the memory row.
-- ``t >= 0`` continuous: the overlappable communication (gradient sync, parameter
-  gathers) that the backward cannot hide: gradients are synchronised in ``k`` buckets
-  (one per layer), each launched when full, so all but the last can hide behind the
-  backward still to run (``cost_model.step.exposed_gradient_sync``).
+- ``t >= 0`` continuous: the overlappable communication (gradient sync; parameter gathers
+  block, the runtime does not prefetch them) that the backward cannot hide: gradients are
+  synchronised in ``k`` buckets (the runtime's DDP buckets), each launched when full, so
+  all but the last can hide behind the backward still to run
+  (``cost_model.step.exposed_gradient_sync``).
 
 Objective::
 
@@ -83,7 +84,6 @@ class EdgeTerm:
     left_class: tuple[int, ...]
     right_class: tuple[int, ...]
     cost: Matrix  # (p, q) -> seconds; missing pairs cost nothing
-    overlappable: bool = False
     # (p, q) -> bytes per device the pair adds (a resharded copy a consumer saves)
     memory: Matrix = field(default_factory=dict)
 
@@ -234,14 +234,18 @@ def solve_ilp(
                 objective.append(coefficient * value)
 
     n_edge = 0
-    overlapped_edges: list[object] = []
     edge_memory: list[object] = []
     pairs: list[dict[tuple[int, int], object]] = []  # per edge: (p, q) -> its product
     for edge in problem.edges:
-        terms = overlapped_edges if edge.overlappable else objective
         pairs.append(
             _add_edge(
-                model, edge, select[edge.left], select[edge.right], terms, edge_memory, len(pairs)
+                model,
+                edge,
+                select[edge.left],
+                select[edge.right],
+                objective,
+                edge_memory,
+                len(pairs),
             )
         )
         n_edge += sum(isinstance(v, pulp.LpVariable) for v in pairs[-1].values())
@@ -256,7 +260,7 @@ def solve_ilp(
     # so the row couples only the communication choices (with the backward's choices in it,
     # HiGHS took 4x longer on llama3-8b 8x8); the plan's estimate uses the chosen backward
     hiding = sum(min(row) for row in problem.hidden_by.values() if row)
-    overlapped = pulp.lpSum(overlap_terms + overlapped_edges)
+    overlapped = pulp.lpSum(overlap_terms)
     k = max(problem.buckets, 1)
     if not problem.hide_all:
         model += exposed >= overlapped - (k - 1) / k * hiding

@@ -160,10 +160,11 @@ def step_ledger(traced: TracedModel, plan: Plan, *, batch_scale: float = 1.0) ->
     of another size than was traced (activations scale, parameters do not)."""
     mesh = plan.stage_mesh or plan.mesh
     ledger = _Ledger(mesh, plan.parallelism.microbatches)
-    reshards = _Walk(traced, plan, mesh, batch_scale).run()
-    cast = cast_for_gather(traced, plan.precision)
+    walk = _Walk(traced, plan, mesh, batch_scale)
+    reshards = walk.run()
+    cast = walk.cast
     compute = WIRE_DTYPE.get(plan.precision)
-    groups, singles = _fsdp_groups(traced, plan, reshards)
+    groups, singles = _fsdp_groups(traced, plan, reshards, cast)
     for (axis, _, place), members in groups.items():
         # gathered in the compute dtype when its parameters are (passes.mixed_precision)
         dtype = compute if compute and members[0].param in cast else members[0].dtype
@@ -181,8 +182,9 @@ def step_ledger(traced: TracedModel, plan: Plan, *, batch_scale: float = 1.0) ->
         ledger.reshard(
             reshard, reshard.calls, reshard.dtype, f"reshard of {reshard.param or reshard.producer}"
         )
-    _gradient_sync(traced, plan, ledger)
-    _zero(traced, plan, ledger)
+    order = _param_order(traced)
+    _gradient_sync(order, plan, ledger)
+    _zero(order, plan, ledger)
     return ledger.entries
 
 
@@ -316,14 +318,13 @@ GroupKey = tuple[int, str, str]  # (mesh axis, dtype, "layer 3" or "after 2 laye
 
 
 def _fsdp_groups(
-    traced: TracedModel, plan: Plan, reshards: list[_Reshard]
+    traced: TracedModel, plan: Plan, reshards: list[_Reshard], cast: frozenset[str]
 ) -> tuple[dict[GroupKey, list[_Reshard]], list[_Reshard]]:
     """FSDP's groups (``runtime.param_groups``): a parameter's reshard that starts with an
     all-gather of its own shard joins the group of its (axis, dtype, layer), in the order
     the runtime makes them (parameters outside the layers: per run between layers); the
     other reshards stay single."""
     container = traced.layers
-    cast = cast_for_gather(traced, plan.precision)
     groups: dict[GroupKey, list[_Reshard]] = {}
     singles: list[_Reshard] = []
     layers_seen: set[int] = set()
@@ -383,14 +384,14 @@ def _stored(plan: Plan, param: ParamPlan) -> str:
     return "bfloat16" if plan.precision == "bf16" and param.dtype == "float32" else param.dtype
 
 
-def _gradient_sync(traced: TracedModel, plan: Plan, ledger: _Ledger) -> None:
+def _gradient_sync(order: list[str], plan: Plan, ledger: _Ledger) -> None:
     """DDP's buckets over the replicated axes of every parameter ZeRO does not hold: one
     all-reduce per bucket and axis, in the last microbatch's backward (``runtime.grad_sync``:
     buckets fill by the stored gradients' bytes; they are summed in the compute dtype under
     mixed precision)."""
     mesh_shape = ledger.cost.mesh.shape
     synced = []
-    for name in reversed(_param_order(traced)):
+    for name in reversed(order):
         param = plan.params[name]
         if _is_zero(param, mesh_shape):
             continue
@@ -418,7 +419,7 @@ def _gradient_sync(traced: TracedModel, plan: Plan, ledger: _Ledger) -> None:
             )
 
 
-def _zero(traced: TracedModel, plan: Plan, ledger: _Ledger) -> None:
+def _zero(order: list[str], plan: Plan, ledger: _Ledger) -> None:
     """ZeRO-1/2's buckets (``runtime.zero``, filled by stored bytes): the gradient sum, in
     the compute dtype under mixed precision, over the other replicated axes (all-reduce) and
     the ZeRO axes (ZeRO-2: reduce-scatter, in every microbatch's backward; ZeRO-1:
@@ -426,7 +427,7 @@ def _zero(traced: TracedModel, plan: Plan, ledger: _Ledger) -> None:
     forward."""
     mesh_shape = ledger.cost.mesh.shape
     members = []
-    for name in _param_order(traced):
+    for name in order:
         param = plan.params[name]
         if not _is_zero(param, mesh_shape):
             continue

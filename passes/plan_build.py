@@ -299,13 +299,11 @@ def _estimate(
     parts = solved.parts
     choice = solved.choice
     compute = sum(parts.compute_fwd[d][k] + parts.compute_bwd[d][k] for d, k in choice.items())
-    inline, overlap_edges = parts.edge_time(choice)
+    inline = parts.edge_time(choice)
     sync = sum(parts.sync[d][k] for d, k in choice.items())
     compute_step = compute * microbatches
     backward = sum(parts.compute_bwd[d][k] for d, k in choice.items()) * microbatches
-    hidden = exposed_gradient_sync(
-        sync + overlap_edges * microbatches, backward, traced.layers.count if traced.layers else 1
-    )
+    hidden = exposed_gradient_sync(sync, backward, parts.problem.buckets)
     step = compute_step + inline * microbatches + hidden
     params_b = sum(parts.model_states[d][k][0] for d, k in choice.items())
     grads_b = sum(parts.model_states[d][k][1] for d, k in choice.items())
@@ -334,7 +332,7 @@ def _estimate(
             total=params_b + grads_b + optim_b + acts,
         ),
         compute_s=compute_step,
-        comm_s=(inline + overlap_edges) * microbatches + sync,
+        comm_s=inline * microbatches + sync,
         exposed_comm_s=inline * microbatches + hidden,
         collectives=collectives,
         comm_bytes_by_kind=sent_by_kind,

@@ -70,19 +70,14 @@ class ProblemParts:
             total += term.memory.get((p, q), 0.0)
         return total
 
-    def edge_time(self, choice: dict[str, int]) -> tuple[float, float]:
-        """(inline, overlappable) resharding seconds of the chosen strategies."""
-        inline = overlapped = 0.0
+    def edge_time(self, choice: dict[str, int]) -> float:
+        """Resharding seconds of the chosen strategies (all inline: nothing prefetches)."""
+        inline = sum(self.self_edge[d][k] for d, k in choice.items())
         for term, _, _ in self.edge_terms:
             p = term.left_class[choice[term.left]]
             q = term.right_class[choice[term.right]]
-            value = term.cost.get((p, q), 0.0)
-            if term.overlappable:
-                overlapped += value
-            else:
-                inline += value
-        inline += sum(self.self_edge[d][k] for d, k in choice.items())
-        return inline, overlapped
+            inline += term.cost.get((p, q), 0.0)
+        return inline
 
 
 def build_problem(
@@ -245,7 +240,6 @@ def _edge_costs(
             continue
         # a parameter's gather blocks too: the runtime gathers it when it is used (FSDP2's
         # prefetch is not there yet), and the ledger charges it so
-        overlappable = False
         parts.edge_terms.append(
             (
                 EdgeTerm(
@@ -254,7 +248,6 @@ def _edge_costs(
                     left_class,
                     right_class,
                     {pq: fwd_m[pq] + bwd_m[pq] for pq in fwd_m},
-                    overlappable,
                     memory_m,
                 ),
                 fwd_m,

@@ -5,8 +5,8 @@ The plan records what was chosen, not what it beat, so the model is traced again
 pipeline stage's; a grouping of it for meshes of more than two axes). Every decision is set
 to the plan's choice; then the target's decision is tried at each of its choices with the
 rest held as planned. For each alternative: its compute, resharding and overlappable
-communication (gradient sync, parameter gathers, counted in full: the solver may hide some
-behind compute) per step, its memory per device, and why it lost: a hint or forced style
+communication (gradient sync, counted in full: the solver may hide some behind the backward)
+per step, its memory per device, and why it lost: a hint or forced style
 that forbids it, the memory limit, or its cost. Recomputation is left out of the figures.
 """
 
@@ -221,11 +221,9 @@ def _option(
             continue
         left = k if term.left == decision else chosen[term.left]
         right = k if term.right == decision else chosen[term.right]
-        value = microbatches * term.cost.get((term.left_class[left], term.right_class[right]), 0.0)
-        if term.overlappable:
-            overlap += value
-        else:
-            reshard += value
+        reshard += microbatches * term.cost.get(
+            (term.left_class[left], term.right_class[right]), 0.0
+        )
     strategy = decisions.strategy(node, k)
     note = decisions.choices[node].note
     axes = mesh.axis_names

@@ -25,8 +25,6 @@ import torch.distributed as dist
 
 from plans.ledger import CommCount, CommKey, tally
 
-PHASES = ("forward", "backward", "step", "state")
-
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``"float32"``, the plan's spelling."""
