@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -73,7 +73,7 @@ class _Call:
 
 
 @dataclass
-class _Reshard:
+class Reshard:
     """One reshard the lowering emits: its collectives, in order."""
 
     producer: str
@@ -97,12 +97,14 @@ class _Reshard:
         )
 
 
-class _Ledger:
-    """Entries as they are added: each call priced on its own axis, as the runtime runs it."""
+class Ledger:
+    """Entries as they are added: each call priced on its own axis, as the runtime runs it;
+    ``stage``: the pipeline stage whose devices issue them (0 without a pipeline)."""
 
-    def __init__(self, mesh: MeshSpec, microbatches: int) -> None:
+    def __init__(self, mesh: MeshSpec, microbatches: int, stage: int = 0) -> None:
         self.cost = MeshCost(mesh)
         self.microbatches = microbatches
+        self.stage = stage
         self.entries: list[CommEntry] = []
 
     def add(
@@ -120,11 +122,41 @@ class _Ledger:
         """One call site: every microbatch, or once per step (``per_step``)."""
         mesh = self.cost.mesh
         calls = 1 if per_step else self.microbatches
-        time = self.cost.collective(kind, nbytes, (axis,)).time * calls
+        time = self.cost.collective(kind, nbytes, (axis,)).time
+        self.add_entry(
+            kind,
+            (mesh.axis_names[axis],),
+            dtype,
+            nbytes,
+            calls,
+            phase,
+            what,
+            time,
+            overlap=overlap,
+            group=mesh.shape[axis],
+        )
+
+    def add_entry(
+        self,
+        kind: str,
+        axes: tuple[str, ...],
+        dtype: str,
+        nbytes: float,
+        calls: int,
+        phase: str,
+        what: str,
+        seconds_per_call: float,
+        *,
+        overlap: str = "none",
+        group: int = 2,
+    ) -> None:
+        """One call site priced by the caller (``seconds_per_call``) over a group of
+        ``group`` devices: a pipeline's point-to-point and its sums across stages."""
+        time = seconds_per_call * calls
         self.entries.append(
             CommEntry(
                 kind=kind,
-                axes=(mesh.axis_names[axis],),
+                axes=axes,
                 dtype=dtype,
                 bytes_per_call=nbytes,
                 calls_per_step=calls,
@@ -133,14 +165,15 @@ class _Ledger:
                 overlap=overlap,  # type: ignore[arg-type]
                 time_s=time,
                 exposed_s=time if overlap == "none" else 0.0,
-                sent_per_call=sent(kind, nbytes, mesh.shape[axis]),
+                sent_per_call=sent(kind, nbytes, group),
+                stage=self.stage,
             )
         )
 
-    def reshard(self, reshard: _Reshard, calls: list[_Call], dtype: str, what: str) -> None:
+    def reshard(self, reshard: Reshard, calls: list[_Call], dtype: str, what: str) -> None:
         """A reshard's calls forward, their adjoints backward (in reverse, but the output
         all-reduces that skip theirs), and a kept parameter's gathers again in backward."""
-        size = _itemsize(dtype)
+        size = itemsize(dtype)
         for call in calls:
             self.add(call.kind, call.axis, dtype, call.elements * size, "forward", what)
         if reshard.requires_grad:
@@ -154,21 +187,37 @@ class _Ledger:
 
 
 def step_ledger(traced: TracedModel, plan: Plan, *, batch_scale: float = 1.0) -> list[CommEntry]:
-    """The ledger of one step of ``plan`` (without pipeline stages) on ``traced``.
+    """The ledger of one step of ``plan`` (without pipeline stages: those are
+    ``passes.pipeline.ledger``'s) on ``traced``.
 
     ``batch_scale``: the microbatch over the traced batch, when the plan runs a microbatch
     of another size than was traced (activations scale, parameters do not)."""
     mesh = plan.stage_mesh or plan.mesh
-    ledger = _Ledger(mesh, plan.parallelism.microbatches)
-    walk = _Walk(traced, plan, mesh, batch_scale)
+    ledger = Ledger(mesh, plan.parallelism.microbatches)
+    walk = Walk(traced, plan, mesh, batch_scale)
     reshards = walk.run()
-    cast = walk.cast
+    reshard_entries(ledger, traced, plan, reshards, walk.cast)
+    order = param_order(traced)
+    gradient_sync_entries(order, plan, ledger)
+    zero_entries(order, plan, ledger)
+    return ledger.entries
+
+
+def reshard_entries(
+    ledger: Ledger,
+    traced: TracedModel,
+    plan: Plan,
+    reshards: list[Reshard],
+    cast: frozenset[str],
+) -> None:
+    """The entries of one program's ``reshards`` (in its order), every microbatch: FSDP's
+    groups of parameter gathers, the others one by one."""
     compute = WIRE_DTYPE.get(plan.precision)
     groups, singles = _fsdp_groups(traced, plan, reshards, cast)
     for (axis, _, place), members in groups.items():
         # gathered in the compute dtype when its parameters are (passes.mixed_precision)
         dtype = compute if compute and members[0].param in cast else members[0].dtype
-        nbytes = sum(r.calls[0].elements for r in members) * _itemsize(dtype)
+        nbytes = sum(r.calls[0].elements for r in members) * itemsize(dtype)
         what = f"{place}, {len(members)} params"
         ledger.add("all_gather", axis, dtype, nbytes, "forward", f"FSDP gather: {what}")
         if any(r.requires_grad for r in members):
@@ -182,13 +231,9 @@ def step_ledger(traced: TracedModel, plan: Plan, *, batch_scale: float = 1.0) ->
         ledger.reshard(
             reshard, reshard.calls, reshard.dtype, f"reshard of {reshard.param or reshard.producer}"
         )
-    order = _param_order(traced)
-    _gradient_sync(order, plan, ledger)
-    _zero(order, plan, ledger)
-    return ledger.entries
 
 
-class _Walk:
+class Walk:
     """The lowering's walk (``passes.lower_spmd``), keeping the reshards instead of
     emitting them."""
 
@@ -202,10 +247,10 @@ class _Walk:
         self.param_of = {n: name for name, info in traced.params.items() for n in info.nodes}
         self.cast = cast_for_gather(traced, plan.precision)
         self.autocast = autocast_dtypes(traced, plan.precision)
-        self.made: dict[tuple[str, Layout], _Reshard | None] = {}
-        self.reshards: list[_Reshard] = []
+        self.made: dict[tuple[str, Layout], Reshard | None] = {}
+        self.reshards: list[Reshard] = []
 
-    def run(self) -> list[_Reshard]:
+    def run(self) -> list[Reshard]:
         for node in self.traced.graph.nodes:
             note = node.meta[META_KEY]
             if node.op == "placeholder" or node.target is operator.getitem:
@@ -240,7 +285,7 @@ class _Walk:
                 trailing += 1
             made.skipped_adjoints = trailing
 
-    def _value(self, producer: str, want: Layout | None) -> _Reshard | None:
+    def _value(self, producer: str, want: Layout | None) -> Reshard | None:
         """The reshard of ``producer`` to ``want``, one per (tensor, layout) (None: none
         needed, or the layout is the producer's own)."""
         if want is None:
@@ -252,7 +297,7 @@ class _Walk:
         info = note.outputs[0]
         param = self.param_of.get(producer)
         steps = plan_reshard(self.layouts.layout(producer), want)
-        made = _Reshard(
+        made = Reshard(
             producer,
             list(self._calls(steps, info.numel * (1.0 if param else self.scale))),
             self._dtype(info.dtype, param, producer),
@@ -281,7 +326,7 @@ class _Walk:
                 payload /= shape[step.axis]
             yield _Call(step.kind, step.axis, payload)
 
-    def _autocast_copy(self, made: _Reshard, op: str) -> bool:
+    def _autocast_copy(self, made: Reshard, op: str) -> bool:
         """Whether ``op`` keeps autocast's cast copy of ``made`` rather than ``made``: an fp32
         parameter read by a lower-precision op under mixed precision (then nothing is
         gathered again in backward; the copy stays)."""
@@ -310,7 +355,7 @@ def _flat_nodes(value: object) -> Iterator[torch.fx.Node]:
             yield from _flat_nodes(item)
 
 
-def _itemsize(dtype: str) -> int:
+def itemsize(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
@@ -318,15 +363,15 @@ GroupKey = tuple[int, str, str]  # (mesh axis, dtype, "layer 3" or "after 2 laye
 
 
 def _fsdp_groups(
-    traced: TracedModel, plan: Plan, reshards: list[_Reshard], cast: frozenset[str]
-) -> tuple[dict[GroupKey, list[_Reshard]], list[_Reshard]]:
+    traced: TracedModel, plan: Plan, reshards: list[Reshard], cast: frozenset[str]
+) -> tuple[dict[GroupKey, list[Reshard]], list[Reshard]]:
     """FSDP's groups (``runtime.param_groups``): a parameter's reshard that starts with an
     all-gather of its own shard joins the group of its (axis, dtype, layer), in the order
     the runtime makes them (parameters outside the layers: per run between layers); the
     other reshards stay single."""
     container = traced.layers
-    groups: dict[GroupKey, list[_Reshard]] = {}
-    singles: list[_Reshard] = []
+    groups: dict[GroupKey, list[Reshard]] = {}
+    singles: list[Reshard] = []
     layers_seen: set[int] = set()
     mesh_shape = (plan.stage_mesh or plan.mesh).shape
     for reshard in reshards:
@@ -369,7 +414,7 @@ def _local_numel(param: ParamPlan, mesh_shape: tuple[int, ...]) -> int:
     return math.prod(param.param.local_shape(param.shape, mesh_shape))
 
 
-def _param_order(traced: TracedModel) -> list[str]:
+def param_order(traced: TracedModel) -> list[str]:
     """Parameters in the order the lowering first reads them (``LoweredGraph.params``)."""
     order: dict[str, None] = {}
     by_node = {n: name for name, info in traced.params.items() for n in info.nodes}
@@ -384,12 +429,21 @@ def _stored(plan: Plan, param: ParamPlan) -> str:
     return "bfloat16" if plan.precision == "bf16" and param.dtype == "float32" else param.dtype
 
 
-def _gradient_sync(order: list[str], plan: Plan, ledger: _Ledger) -> None:
+def gradient_sync_entries(
+    order: list[str],
+    plan: Plan,
+    ledger: Ledger,
+    part_of: Mapping[str, int] | None = None,
+    *,
+    in_backward: bool = True,
+) -> None:
     """DDP's buckets over the replicated axes of every parameter ZeRO does not hold: one
     all-reduce per bucket and axis, in the last microbatch's backward (``runtime.grad_sync``:
     buckets fill by the stored gradients' bytes; they are summed in the compute dtype under
-    mixed precision)."""
+    mixed precision). ``part_of``: a pipeline rank's stage of each parameter (buckets keep
+    to one); not ``in_backward``: summed after the schedule, exposed."""
     mesh_shape = ledger.cost.mesh.shape
+    parts = part_of or {}
     synced = []
     for name in reversed(order):
         param = plan.params[name]
@@ -399,12 +453,15 @@ def _gradient_sync(order: list[str], plan: Plan, ledger: _Ledger) -> None:
             a for a, p in enumerate(param.param) if isinstance(p, Replicate) and mesh_shape[a] > 1
         )
         if axes:
-            synced.append((axes, _stored(plan, param), _local_numel(param, mesh_shape)))
-    items = [((axes, stored), numel * _itemsize(stored)) for axes, stored, numel in synced]
+            numel = _local_numel(param, mesh_shape)
+            synced.append((axes, _stored(plan, param), numel, parts.get(name, 0)))
+    items = [
+        ((part, axes, stored), numel * itemsize(stored)) for axes, stored, numel, part in synced
+    ]
     for number, bucket in enumerate(ddp_buckets(items)):
-        axes, stored, _ = synced[bucket[0]]
+        axes, stored, _, _ = synced[bucket[0]]
         dtype = _wire_dtype(plan, stored)
-        nbytes = sum(synced[i][2] for i in bucket) * _itemsize(dtype)
+        nbytes = sum(synced[i][2] for i in bucket) * itemsize(dtype)
         what = f"gradient sync: bucket {number}, {len(bucket)} params"
         for axis in axes:
             ledger.add(
@@ -412,20 +469,23 @@ def _gradient_sync(order: list[str], plan: Plan, ledger: _Ledger) -> None:
                 axis,
                 dtype,
                 nbytes,
-                "backward",
+                "backward" if in_backward else "step",
                 what,
                 per_step=True,
-                overlap="backward",
+                overlap="backward" if in_backward else "none",
             )
 
 
-def _zero(order: list[str], plan: Plan, ledger: _Ledger) -> None:
+def zero_entries(
+    order: list[str], plan: Plan, ledger: Ledger, part_of: Mapping[str, int] | None = None
+) -> None:
     """ZeRO-1/2's buckets (``runtime.zero``, filled by stored bytes): the gradient sum, in
     the compute dtype under mixed precision, over the other replicated axes (all-reduce) and
     the ZeRO axes (ZeRO-2: reduce-scatter, in every microbatch's backward; ZeRO-1:
     all-reduce, once per step), and the fp32 masters gathered back before the next
     forward."""
     mesh_shape = ledger.cost.mesh.shape
+    parts = part_of or {}
     members = []
     for name in order:
         param = plan.params[name]
@@ -449,14 +509,14 @@ def _zero(order: list[str], plan: Plan, ledger: _Ledger) -> None:
             local[dim] //= mesh_shape[axis]
         stored, stage2 = _stored(plan, param), param.grad != param.param
         numel = _local_numel(param, mesh_shape)
-        key = (zero_axes, others, stage2, stored) if even else None
-        members.append((key, numel * _itemsize(stored), numel, zero_axes, others, stage2, stored))
+        key = (parts.get(name, 0), zero_axes, others, stage2, stored) if even else None
+        members.append((key, numel * itemsize(stored), numel, zero_axes, others, stage2, stored))
     for number, bucket in enumerate(open_buckets([(m[0], m[1]) for m in members])):
         _, _, _, zero_axes, others, stage2, stored = members[bucket[0]]
         numel = sum(members[i][2] for i in bucket)
         what = f"ZeRO-{2 if stage2 else 1}: bucket {number}, {len(bucket)} params"
         wire = _wire_dtype(plan, stored)
-        size = float(numel * _itemsize(wire))
+        size = float(numel * itemsize(wire))
         for axis in others:
             ledger.add(
                 "all_reduce",
@@ -475,7 +535,7 @@ def _zero(order: list[str], plan: Plan, ledger: _Ledger) -> None:
             )
             if stage2:
                 size /= mesh_shape[axis]
-        gathered = numel * _itemsize(stored) / math.prod(mesh_shape[a] for a in zero_axes)
+        gathered = numel * itemsize(stored) / math.prod(mesh_shape[a] for a in zero_axes)
         for axis in reversed(zero_axes):
             gathered *= mesh_shape[axis]
             ledger.add(

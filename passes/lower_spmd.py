@@ -72,6 +72,9 @@ class LoweredGraph:
     # lowered node -> the traced node whose value it computes (ops, getitems, user inputs);
     # reshards and local steps have none (``passes.lower_stages`` places them by consumer)
     sources: dict[torch.fx.Node, str] = field(default_factory=dict)
+    # the last node of each reshard -> (the traced node resharded, the layout it is made
+    # into): what the plan's ledger (``passes.ledger``) calls that reshard
+    reshards: dict[str, tuple[str, Layout]] = field(default_factory=dict)
 
 
 def lower_spmd(
@@ -261,6 +264,8 @@ class _Lowering:
             self.values[(name, index, have)] = source
         value = self._reshard(source, have, want)
         self.values[(name, index, want)] = value
+        if value is not source and index == 0:
+            self.out.reshards[value.name] = (name, want)
         return value
 
     def _reshard(self, x: torch.fx.Node, have: Layout, want: Layout) -> torch.fx.Node:

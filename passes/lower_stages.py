@@ -145,6 +145,17 @@ def holders(programs: list[StageProgram], pp: int) -> dict[str, tuple[int, ...]]
     return {name: tuple(sorted(stages)) for name, stages in found.items()}
 
 
+def local_parts(programs: list[StageProgram]) -> dict[str, int]:
+    """For each parameter (``get_attr`` target) one rank's ``programs`` read: the position of
+    the program that reads it, or -1 when several do (its gradient is complete only after
+    all of theirs)."""
+    found: dict[str, int] = {}
+    for position, program in enumerate(programs):
+        for target in program.params:
+            found[target] = position if found.get(target, position) == position else -1
+    return found
+
+
 class _Split:
     def __init__(self, traced: TracedModel, lowered: LoweredGraph, plan: Plan) -> None:
         self.lowered = lowered

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -74,7 +75,14 @@ from autopar.runtime.shards import gather_full, local_slices
 from autopar.runtime.zero import ZeroParam, ZeroShards, master_piece, zero_axes
 from passes.from_plan import PlanLayouts
 from passes.lower_spmd import LoweredGraph, local_shard, lower_spmd
-from passes.lower_stages import StageProgram, holders, iter_stage_codes, locate, split_stages
+from passes.lower_stages import (
+    StageProgram,
+    holders,
+    iter_stage_codes,
+    local_parts,
+    locate,
+    split_stages,
+)
 from passes.lower_stages import stage_mesh as plan_stage_mesh
 from passes.mixed_precision import cast_for_gather
 from passes.trace import TracedModel
@@ -189,8 +197,10 @@ class CompiledModel(nn.Module):
             graphs = [program.graph for program in self._stage_programs]
             self._holders = holders(programs, plan.parallelism.pp)
             self._buffer_holders = _buffer_holders(programs, plan.parallelism.pp)
+            self._part_of = local_parts(self._stage_programs)
         else:
             lowered, graphs = whole, [whole.graph]
+            self._part_of = {}
         for graph in graphs:  # an exposed projection as one matmul with its bias, as eager
             fuse_projections(graph)
             if device.type == "cuda":  # 16-bit matmuls with unaligned rows run padded
@@ -236,14 +246,23 @@ class CompiledModel(nn.Module):
         object.__setattr__(self, "program", modules[0])  # not a child: it shares our tree
         object.__setattr__(self, "stage_modules", modules)
         self._state_keys = _state_keys(model, plan, whole)
+        # a parameter two of this rank's pipeline stages read (part -1) is summed after the
+        # schedule (``_shared_sync``); the others in their stage's last backward
+        synced = [
+            (target, p, self._sync_groups(n))
+            for (n, p), target in zip(self._named_local(), self.lowered.params, strict=True)
+            if n not in self._zero.params
+        ]
         self._sync = GradientSync(
-            [
-                (p, self._sync_groups(n))
-                for n, p in self._named_local()
-                if n not in self._zero.params
-            ],
+            [(p, groups) for target, p, groups in synced if self._part_of.get(target, 0) >= 0],
             reduce_dtype=self.precision.compute,  # mixed precision: sums in bf16 / fp16
+            parts=[self._part_of.get(t, 0) for t, _, _ in synced if self._part_of.get(t, 0) >= 0],
         )
+        self._shared_sync = GradientSync(
+            [(p, groups) for target, p, groups in synced if self._part_of.get(target, 0) < 0],
+            reduce_dtype=self.precision.compute,
+        )
+        self._shared_sync.enabled = False
         _share_tree(self, tree)
         if self.pipelined:
             self._start_pipeline(traced, whole, modules)
@@ -258,7 +277,7 @@ class CompiledModel(nn.Module):
         self._tied = TiedGradients(
             self._holders, self.stage, per_stage, local_rank, self._pp_axis, self._comm
         )
-        self._sync.enabled = False  # every microbatch's backward adds in: sync_all after
+        self._sync.enabled = False  # on in a stage's last backward (``_backward_hook``)
         self._pp_group = AxisGroup(self._pipeline_mesh.get_group(0), (self._pp_axis,), self._comm)
         self._runner: PipelineRunner | None = None
         if self._loss_fn is None:
@@ -282,10 +301,21 @@ class CompiledModel(nn.Module):
             plan,
             list(zip(self._stage_programs, modules, strict=True)),
             metas,
-            self._pp_group.pg,
+            self._pp_group,
             self.device,
             loss,
+            self._backward_hook,
         )
+
+    @contextmanager
+    def _backward_hook(self, last: bool) -> Iterator[None]:
+        """Around each backward of a pipeline stage: gradient sync and ZeRO-1's sum only
+        in the stage's last microbatch (DDP's ``no_sync`` in the others)."""
+        self._sync.enabled, self._zero.accumulating = last, not last
+        try:
+            yield
+        finally:
+            self._sync.enabled, self._zero.accumulating = False, False
 
     def _build_tree(
         self,
@@ -379,6 +409,7 @@ class CompiledModel(nn.Module):
             tuple(groups[a] for a in axes),  # type: ignore[misc]
             others,
             shard_gradient=plan.grad != plan.param,
+            part=self._part_of.get(target, 0),
         )
 
     def _named_local(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -574,7 +605,7 @@ class CompiledModel(nn.Module):
         self._zero.gather()
         with self.precision.autocast(self.device.type):
             loss = self._runner.step(kwargs, targets)
-        self._sync.sync_all()
+        self._shared_sync.sync_all()
         self._tied.sum(self._grad_of)
         last = self.plan.parallelism.pp - 1
         shared = loss if loss is not None else torch.zeros((), device=self.device)

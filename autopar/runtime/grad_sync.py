@@ -50,15 +50,25 @@ class GradientSync:
         bucket_bytes: int = 25 * 2**20,
         first_bucket_bytes: int = 2**20,
         reduce_dtype: torch.dtype | None = None,
+        parts: Sequence[int] | None = None,
     ) -> None:
         """``reduce_dtype``: sum floating-point gradients in this dtype (under mixed
         precision the compute dtype, as FSDP2's ``MixedPrecisionPolicy`` reduces by default
-        and DDP's ``bf16_compress_hook`` does), cast back into the buckets after."""
+        and DDP's ``bf16_compress_hook`` does), cast back into the buckets after.
+        ``parts``: per parameter, the pipeline stage (of this rank's) whose backward makes
+        its gradient; a bucket keeps to one, so each is complete in its stage's last
+        backward."""
         self.reduce_dtype = reduce_dtype
-        synced = [(p, groups) for p, groups in reversed(list(params)) if groups]
+        listed = list(params)
+        part_of = list(parts) if parts is not None else [0] * len(listed)
+        synced = [
+            (p, groups, part)
+            for (p, groups), part in reversed(list(zip(listed, part_of, strict=True)))
+            if groups
+        ]
         items = [
-            ((*(id(g) for g in groups), p.dtype, p.device), p.numel() * p.element_size())
-            for p, groups in synced
+            ((part, *(id(g) for g in groups), p.dtype, p.device), p.numel() * p.element_size())
+            for p, groups, part in synced
         ]
         self.buckets = [
             _Bucket([synced[i][0] for i in bucket], synced[bucket[0]][1])
@@ -67,7 +77,8 @@ class GradientSync:
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._queued = False
         # off: backward leaves partial gradients alone (gradient accumulation: only the
-        # last microbatch's backward syncs, as DDP's ``no_sync``; pipelines: ``sync_all``)
+        # last microbatch's backward syncs, as DDP's ``no_sync``; in a pipeline, each stage's
+        # last backward, ``runtime.pipeline``)
         self.enabled = True
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad)

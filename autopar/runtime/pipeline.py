@@ -18,14 +18,21 @@ Gradients. The loss of each microbatch is the user's loss divided by the microba
 (torch's own ``scale_grads`` would divide every parameter of the shared module tree once per
 stage on this rank, twice for a parameter two local stages share), so backward leaves the
 gradient of the mean over the global batch. Sums over the stage-mesh axes that replicate a
-parameter run once after the schedule (``GradientSync.sync_all``): hooks firing in every
-microbatch's backward would sum partial sums again. A parameter held by several stages (a
-tied embedding and head) then has its gradient summed across them (``TiedGradients``).
+parameter run in the last microbatch's backward of the stage that owns it, as DDP's
+``no_sync`` leaves the last microbatch to sum: the schedule calls
+``backward_maybe_with_nosync`` with ``last_backward`` set, and the runner's
+``backward_hook`` turns the hooks on for that call only (hooks in every microbatch's backward
+would sum partial sums again). The sync then overlaps the other stages' remaining backward
+work, as the plan's ledger charges it. A parameter several local stages share syncs after the
+schedule; a parameter held by several stages (a tied embedding and head) then has its
+gradient summed across them (``TiedGradients``). Every send and receive of the schedule is
+recorded on the pipeline axis's group, so a step's traffic can be counted against the plan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -195,6 +202,48 @@ class _LocalShapes(torch.fx.Interpreter):
         raise AssertionError(f"unknown collective {kind}")
 
 
+class _RecordedStage(PipelineStage):
+    """torch's ``PipelineStage``, recording its point-to-point in the model's ``CommLog``
+    (one ``send`` or ``recv`` per tensor, on the pipeline axis) and telling the data-parallel
+    side which backward is a stage's last (``backward_hook(last)``), as torch's own stage
+    tells DDP and FSDP: gradient sync and ZeRO-1's sum run in the last microbatch's
+    backward, overlapping it, instead of after the schedule."""
+
+    def __init__(
+        self,
+        *args: Any,
+        wire: AxisGroup,
+        backward_hook: Callable[[bool], AbstractContextManager[None]],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.wire = wire
+        self.backward_hook = backward_hook
+
+    def _recorded(self, ops: list[dist.P2POp], kind: str, phase: str) -> list[dist.P2POp]:
+        for op in ops:
+            self.wire.record(kind, op.tensor, phase)
+        return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._recorded(super().get_fwd_send_ops(fwd_chunk_id), "send", "forward")
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._recorded(super().get_fwd_recv_ops(fwd_chunk_id), "recv", "forward")
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._recorded(super().get_bwd_send_ops(bwd_chunk_id), "send", "backward")
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._recorded(super().get_bwd_recv_ops(bwd_chunk_id), "recv", "backward")
+
+    def backward_maybe_with_nosync(
+        self, backward_type: Any, bwd_kwargs: dict[str, Any], last_backward: bool = False
+    ) -> Any:
+        with self.backward_hook(last_backward):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
 class PipelineRunner:
     """This rank's stages, wrapped for torch, and the schedule that runs them."""
 
@@ -203,22 +252,27 @@ class PipelineRunner:
         plan: Plan,
         programs: Sequence[tuple[StageProgram, nn.Module]],
         metas: dict[str, torch.Tensor],
-        group: dist.ProcessGroup,
+        wire: AxisGroup,
         device: torch.device,
         loss: Loss,
+        backward_hook: Callable[[bool], AbstractContextManager[None]],
     ) -> None:
+        """``wire``: the pipeline axis's group; ``backward_hook(last)``: entered around
+        each backward of a stage, ``last`` for its last microbatch's."""
         par = plan.parallelism
         count = max(len(plan.stages), par.pp)
         self.microbatches = par.microbatches
         self.stages = [
-            PipelineStage(
+            _RecordedStage(
                 module,
                 program.index,
                 count,
                 device,
                 input_args=tuple(metas[name] for name in program.receives),
                 output_args=_outputs(program, metas),
-                group=group,
+                group=wire.pg,
+                wire=wire,
+                backward_hook=backward_hook,
             )
             for program, module in programs
         ]

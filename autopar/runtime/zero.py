@@ -61,6 +61,9 @@ class ZeroParam:
     other_groups: tuple[AxisGroup, ...]  # replicated axes that shard nothing
     shard_gradient: bool  # ZeRO-2
     seen_version: int = -1
+    # the pipeline stage (of this rank's) whose backward makes its gradient: buckets keep
+    # to one, so each is summed in its own stage's backward
+    part: int = 0
 
 
 def zero_axes(
@@ -187,12 +190,13 @@ def make_buckets(
     bucket_bytes: int = 25 * 2**20,
     reduce_dtype: torch.dtype | None = None,
 ) -> list[_Bucket]:
-    """Group ``params`` by their groups and ZeRO stage into buckets of about
+    """Group ``params`` by pipeline stage, groups and ZeRO stage into buckets of about
     ``bucket_bytes`` (local size), in order; a parameter that does not split evenly at
     every step gets a bucket of its own (its pieces differ in size across devices)."""
     items = [
         (
             (
+                p.part,
                 tuple(id(g) for g in p.zero_groups),
                 tuple(id(g) for g in p.other_groups),
                 p.shard_gradient,
@@ -300,10 +304,11 @@ class ZeroShards:
                 bucket.start()
 
     def _reduce(self) -> None:
-        """Sum each working gradient into its master's piece, bucket by bucket."""
+        """Sum each working gradient into its master's piece, bucket by bucket (those this
+        backward reached: another pipeline stage's keep accumulating until theirs)."""
         with torch.no_grad():
             for bucket in self.buckets:
-                if not self._held(bucket):
+                if not self._held(bucket) and (bucket.ready or bucket.started):
                     bucket.finish()
         self._queued = False
 
