@@ -10,14 +10,14 @@ must only ever see this device's piece. So, as DeepSpeed's ZeRO does:
   the masters before a forward whenever a master changed (after an optimizer step);
 - after backward, the working copy's gradient (a summand over the replicated axes) is
   summed: over the other replicated axes by all-reduce, over the ZeRO axes by
-  reduce-scatter straight into the master's piece (ZeRO-2), or by all-reduce and then
-  keeping the piece (ZeRO-1, whose gradient is whole until the step).
+  reduce-scatter straight into the master's piece.
 
 Values equal a plain data-parallel run; memory for optimizer state (and, for ZeRO-2, the
 gradient kept for the step) is divided by the ZeRO axes' size. Communication is one
 reduce-scatter and one all-gather per step, what an all-reduce costs. Over several
 microbatches (``CompiledModel.train_step``) ZeRO-1 accumulates its whole working gradient
-locally and sums it once, in the last backward (Megatron's distributed optimizer); ZeRO-2
+locally and reduce-scatters it once, in the last backward (Megatron's distributed
+optimizer; DeepSpeed's stage 1 at the accumulation boundary); ZeRO-2
 sums every microbatch's gradient into its piece (what keeps its gradient memory divided),
 so it pays the sum once per microbatch, and the plan's ledger charges it so.
 
@@ -125,16 +125,11 @@ class _Bucket:
         if first.other_groups or not ready:
             return
         group = first.zero_groups[0]
-        if first.shard_gradient:
-            dims = [p.dims[0] for p in ready]
-            shapes = _piece_shapes(grads, dims, group)
-            rows = scatter_rows(grads, shapes, dims, group, grads[0])
-            work, result = start_reduce_scatter_rows(rows, group)
-            self.started = _Started(ready, work, result, shapes)
-        else:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            work = group.all_reduce(flat, async_op=True)
-            self.started = _Started(ready, work, lambda: flat, [g.shape for g in grads])
+        dims = [p.dims[0] for p in ready]
+        shapes = _piece_shapes(grads, dims, group)
+        rows = scatter_rows(grads, shapes, dims, group, grads[0])
+        work, result = start_reduce_scatter_rows(rows, group)
+        self.started = _Started(ready, work, result, shapes)
 
     def finish(self) -> None:
         """Sum each working gradient into its master's piece (waiting for what ``start``
@@ -173,16 +168,11 @@ class _Bucket:
         """The rest of the sum over the ZeRO axes after the first ``done``: each
         gradient's piece for this device's master."""
         first = self.first
-        if first.shard_gradient:
-            for step in range(done, len(first.zero_groups)):
-                dims, group = [p.dims[step] for p in ready], first.zero_groups[step]
-                shapes = _piece_shapes(grads, dims, group)
-                grads = reduce_scatter_group(grads, shapes, dims, group, grads[0])
-            return grads
-        for group in first.zero_groups[done:]:
-            grads = _all_reduce_each(grads, group)
-        sizes = tuple(g.size for g in first.zero_groups)
-        return [master_piece(g, p.dims, p.coords, sizes) for g, p in zip(grads, ready, strict=True)]
+        for step in range(done, len(first.zero_groups)):
+            dims, group = [p.dims[step] for p in ready], first.zero_groups[step]
+            shapes = _piece_shapes(grads, dims, group)
+            grads = reduce_scatter_group(grads, shapes, dims, group, grads[0])
+        return grads
 
 
 def make_buckets(
