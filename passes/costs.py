@@ -29,7 +29,7 @@ from functools import cached_property
 from cost_model.collectives import MeshCost
 from cost_model.compute import op_time
 from cost_model.memory import param_state_bytes, precision_policy
-from passes.annotation import NodeAnnotation, TensorInfo
+from passes.annotation import NodeAnnotation, TensorInfo, dtype_itemsize
 from passes.strategies.types import Strategy
 from plans.buckets import BUCKET_BYTES, ddp_buckets
 from plans.placement import PARTIAL, REPLICATE, Layout, Partial, Replicate, Shard
@@ -53,7 +53,10 @@ class ParamCost:
     params: float
     grads: float
     optimizer: float
-    sync_s: float  # gradient synchronisation, overlappable with backward
+    # gradient synchronisation, overlappable with backward: once per step (DDP's sum,
+    # ZeRO-1's), or once per microbatch (ZeRO-2's reduce-scatter; ``CostModel.sync_passes``)
+    sync_s: float
+    step_s: float = 0.0  # after the optimizer step, exposed: ZeRO's gather of the masters
 
     @property
     def memory(self) -> float:
@@ -192,6 +195,12 @@ class CostModel:
         bwd = self.mesh_cost.reshard(dual(dst), dual(src), info.shape, itemsize).time
         return fwd, bwd
 
+    def sync_passes(self, microbatches: int) -> int:
+        """How often a step runs the overlappable gradient sync, each pass hidden behind one
+        microbatch's backward: every microbatch under ZeRO-2, else once (the last
+        microbatch's backward; DDP's ``no_sync`` in the others)."""
+        return microbatches if self.zero >= 2 else 1
+
     def bucketed(self, kind: str, nbytes: float, axes: tuple[int, ...]) -> float:
         """Seconds of one parameter's share of a bucketed collective (gradient sync, ZeRO):
         its bytes' time, and of the fixed cost of a call (launch and hop latencies) the
@@ -214,22 +223,35 @@ class CostModel:
         )
         grad_bytes = grads / shard
         zero_shard = 1
+        zero_axes: tuple[int, ...] = ()
         if self.zero and replicated:
             zero_layout = zero_layout_of(layout, info.shape, self.mesh_shape)
             zero_shard = zero_layout.shard_factor(self.mesh_shape) // shard
-        sync = 0.0
-        if replicated:
-            if self.zero:
-                sync = self.bucketed("reduce_scatter", grad_bytes, replicated) + self.bucketed(
-                    "all_gather", params / shard, replicated
-                )
-            else:
-                sync = self.bucketed("all_reduce", grad_bytes, replicated)
+            zero_axes = tuple(a for a in replicated if isinstance(zero_layout[a], Shard))
+        # as the runtime sums them (``runtime.grad_sync``, ``runtime.zero``), one call per
+        # mesh axis: DDP all-reduces the accumulated gradient over each replicated axis;
+        # ZeRO all-reduces it over the axes it does not shard and reduce-scatters it over
+        # those it does, the piece shrinking axis by axis (ZeRO-1: once, ZeRO-2: every
+        # microbatch's), and gathers the stepped masters (as stored) back after the step
+        sync = step = 0.0
+        for axis in replicated:
+            if axis not in zero_axes:
+                sync += self.bucketed("all_reduce", grad_bytes, (axis,))
+        piece = grad_bytes
+        for axis in zero_axes:
+            sync += self.bucketed("reduce_scatter", piece, (axis,))
+            piece /= self.mesh_shape[axis]
+        stored = 2 if self.precision == "bf16" else dtype_itemsize(info.dtype)
+        gathered = info.numel * stored / shard / zero_shard
+        for axis in reversed(zero_axes):
+            gathered *= self.mesh_shape[axis]
+            step += self.bucketed("all_gather", gathered, (axis,))
         return ParamCost(
             params=params / shard,
             grads=grad_bytes / (zero_shard if self.zero >= 2 else 1),
             optimizer=optimizer / shard / zero_shard,
             sync_s=sync,
+            step_s=step,
         )
 
 

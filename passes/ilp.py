@@ -14,17 +14,18 @@ Variables (``passes.decisions`` made them few):
   branch and bound has little to do.
 - An edge's pair may also hold memory: a consumer that keeps its input for backward keeps
   the resharded copy when the input arrives resharded; that is a term of the memory row.
-- ``t >= 0`` continuous: the overlappable communication (gradient sync; parameter gathers
-  block, the runtime does not prefetch them) that the backward cannot hide: gradients are
-  synchronised in ``k`` buckets (the runtime's DDP buckets), each launched when full, so
-  all but the last can hide behind the backward still to run
-  (``cost_model.step.exposed_gradient_sync``).
+- ``t >= 0`` continuous: the overlappable communication of one pass (gradient sync;
+  parameter gathers block, the runtime does not prefetch them) that one microbatch's
+  backward cannot hide: gradients are synchronised in ``k`` buckets (the runtime's DDP
+  buckets), each launched when full, so all but the last can hide behind the backward
+  still to run (``cost_model.step.exposed_gradient_sync``). A step runs ``P`` such passes
+  (``sync_passes``: once, in the last microbatch's backward; ZeRO-2: every microbatch's).
 
 Objective::
 
     min  sum_d sum_k s[d,k] (compute[d,k] + comm[d,k])
        + sum_edges sum_{p,q} R[p,q] e[p,q]
-       + t
+       + P t
        + recomputed forward time (``RecomputeTerm``)
 
 Constraints::
@@ -38,7 +39,7 @@ Constraints::
     s[d,k] = 0 for k not in allowed[d]               (forced strategies and hints)
     objective <= cutoff                              (optional: "beat this or say so",
         which the solver proves fast; ``passes.solve`` chains ZeRO stages with it)
-    objective - t <= work cutoff                     (optional: the same on compute and
+    objective - P t <= work cutoff                     (optional: the same on compute and
         resharding alone, which a pipeline of the plan's stages cannot hide; the
         pipeline search's bound, ``passes.pipeline.search``)
 
@@ -154,6 +155,7 @@ class IlpProblem:
     recompute: list[RecomputeTerm] = field(default_factory=list)
     recompute_budgets: list[RecomputeBudget] = field(default_factory=list)
     buckets: int = 1  # gradient-sync buckets (layers): see the exposed-communication rows
+    sync_passes: int = 1  # how often a step runs the overlappable sync (P in the objective)
     # a lower bound instead: the backward hides all overlappable communication (the
     # exposed-communication rows dropped; whatever the ZeRO stage, that part costs >= 0)
     hide_all: bool = False
@@ -187,6 +189,7 @@ def dominates(better: IlpProblem, worse: IlpProblem) -> bool:
         and better.cost == worse.cost
         and better.hidden_by == worse.hidden_by
         and better.buckets == worse.buckets
+        and better.sync_passes == worse.sync_passes
         and better.memory_limit == worse.memory_limit
         and better.edges == worse.edges
         and better.recompute == worse.recompute
@@ -265,7 +268,7 @@ def solve_ilp(
     if not problem.hide_all:
         model += exposed >= overlapped - (k - 1) / k * hiding
         model += exposed >= overlapped / k
-    objective.append(exposed)
+    objective.append(problem.sync_passes * exposed)
 
     saved_terms, recompute_vars = _add_recompute(model, problem, select, pairs, objective)
 
@@ -287,7 +290,7 @@ def solve_ilp(
     if cutoff is not None:
         model += pulp.lpSum(objective) <= cutoff
     if work_cutoff is not None:
-        model += pulp.lpSum(objective) - exposed <= work_cutoff
+        model += pulp.lpSum(objective) - problem.sync_passes * exposed <= work_cutoff
 
     beat_this = cutoff is not None or work_cutoff is not None
     give_up = GiveUp(GIVE_UP_FRACTION * time_limit) if beat_this else None

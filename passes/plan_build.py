@@ -300,10 +300,15 @@ def _estimate(
     choice = solved.choice
     compute = sum(parts.compute_fwd[d][k] + parts.compute_bwd[d][k] for d, k in choice.items())
     inline = parts.edge_time(choice)
-    sync = sum(parts.sync[d][k] for d, k in choice.items())
+    # the sync of one pass, hidden behind one microbatch's backward, ``sync_passes`` times
+    # a step (``passes.problem``); ZeRO's gathers after the optimizer step, exposed
+    passes = parts.problem.sync_passes
+    sync = sum(parts.sync[d][k] for d, k in choice.items()) * passes
+    after_step = sum(parts.after_step[d][k] for d, k in choice.items())
     compute_step = compute * microbatches
-    backward = sum(parts.compute_bwd[d][k] for d, k in choice.items()) * microbatches
-    hidden = exposed_gradient_sync(sync, backward, parts.problem.buckets)
+    backward = sum(parts.compute_bwd[d][k] for d, k in choice.items())
+    hidden = passes * exposed_gradient_sync(sync / passes, backward, parts.problem.buckets)
+    hidden += after_step
     step = compute_step + inline * microbatches + hidden
     params_b = sum(parts.model_states[d][k][0] for d, k in choice.items())
     grads_b = sum(parts.model_states[d][k][1] for d, k in choice.items())
@@ -332,7 +337,7 @@ def _estimate(
             total=params_b + grads_b + optim_b + acts,
         ),
         compute_s=compute_step,
-        comm_s=inline * microbatches + sync,
+        comm_s=inline * microbatches + sync + after_step,
         exposed_comm_s=inline * microbatches + hidden,
         collectives=collectives,
         comm_bytes_by_kind=sent_by_kind,

@@ -2,10 +2,12 @@
 
 For every decision choice: the compute time of its members and followers (forward and
 backward), their activation memory, the parameters' memory and gradient synchronisation
-(overlappable with the backward pass). For every edge between two decisions: the
-resharding time matrix, forward plus the adjoint backward. Edges out of a parameter (the
-all-gather of an FSDP-sharded weight, and its reduce-scatter in backward) are inline like
-any other: the runtime does not prefetch them (yet), so nothing hides them.
+(overlappable with one microbatch's backward pass, ``CostModel.sync_passes`` times a
+step) and what runs after the optimizer step (ZeRO's gathers of the masters). For every
+edge between two decisions: the resharding time matrix, forward plus the adjoint
+backward. Edges out of a parameter (the all-gather of an FSDP-sharded weight, and its
+reduce-scatter in backward) are inline like any other: the runtime does not prefetch
+them (yet), so nothing hides them.
 
 Costs are computed once per *representative* edge and node and multiplied by how many
 identical layers repeat them, so building the problem stays flat in depth.
@@ -52,7 +54,8 @@ class ProblemParts:
     compute_bwd: dict[str, list[float]] = field(default_factory=dict)
     activations: dict[str, list[float]] = field(default_factory=dict)
     model_states: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
-    sync: dict[str, list[float]] = field(default_factory=dict)
+    sync: dict[str, list[float]] = field(default_factory=dict)  # one pass (sync_passes)
+    after_step: dict[str, list[float]] = field(default_factory=dict)  # once a step, exposed
     # each edge with its forward and backward matrices (over class pairs)
     edge_terms: list[tuple[EdgeTerm, Matrix, Matrix]] = field(default_factory=list)
     self_edge: dict[str, list[float]] = field(default_factory=dict)
@@ -89,9 +92,11 @@ def build_problem(
     microbatches: int = 1,
 ) -> ProblemParts:
     """The ILP's coefficients. ``microbatches``: a step runs that many forward and backward
-    passes (gradient accumulation, pipelines) but synchronises gradients once, so the
-    objective weighs per-microbatch time (compute, resharding, parameter gathers) by it;
-    the returned breakdowns stay per microbatch."""
+    passes (gradient accumulation, pipelines) but synchronises gradients once (ZeRO-2:
+    every microbatch), so the objective weighs per-microbatch time (compute, resharding,
+    parameter gathers) by it, and the sync is hidden behind one microbatch's backward per
+    pass, as the runtime runs it (DDP's ``no_sync`` until the last backward); the returned
+    breakdowns stay per microbatch."""
     choices = {name: len(d.strategies) for name, d in decisions.decisions.items()}
     parts = ProblemParts(
         IlpProblem(choices=choices, memory_limit=memory_limit, allowed=dict(allowed or {}))
@@ -102,17 +107,21 @@ def build_problem(
         parts.activations[name] = [0.0] * count
         parts.model_states[name] = [(0.0, 0.0, 0.0)] * count
         parts.sync[name] = [0.0] * count
+        parts.after_step[name] = [0.0] * count
         parts.self_edge[name] = [0.0] * count
         parts.self_memory[name] = [0.0] * count
     _node_costs(decisions, cost, representatives, parts)
     _edge_costs(decisions, cost, representatives, parts)
     problem = parts.problem
+    problem.sync_passes = cost.sync_passes(microbatches)
     for name in choices:
         fwd, bwd = parts.compute_fwd[name], parts.compute_bwd[name]
-        problem.hidden_by[name] = [microbatches * b for b in bwd]
+        problem.hidden_by[name] = list(bwd)
         problem.cost[name] = [
-            microbatches * (f + b + e)
-            for f, b, e in zip(fwd, bwd, parts.self_edge[name], strict=True)
+            microbatches * (f + b + e) + after
+            for f, b, e, after in zip(
+                fwd, bwd, parts.self_edge[name], parts.after_step[name], strict=True
+            )
         ]
         problem.overlappable[name] = list(parts.sync[name])
         problem.memory[name] = [
@@ -160,6 +169,7 @@ def _node_costs(
                     old[2] + times * pc.optimizer,
                 )
                 parts.sync[name][k] += times * pc.sync_s
+                parts.after_step[name][k] += times * pc.step_s
                 continue
             fwd, bwd = cost.op_time(note, strategy)
             parts.compute_fwd[name][k] += times * fwd

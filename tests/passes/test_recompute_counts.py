@@ -361,13 +361,14 @@ def data_parallel_gpt2():
     return traced, request, memory
 
 
-def test_a_zero_stage_that_fits_costs_no_more_than_recomputing_layers(
+def test_the_joint_solve_weighs_a_zero_stage_against_recomputing_layers(
     data_parallel_gpt2, monkeypatch
 ):
     """10% of the way from ZeRO-0's memory down to ZeRO-2's, ZeRO-1 fits without
-    recomputation. Its reduce-scatter and all-gather send what the all-reduce sends, in the
-    same buckets (a call's fixed cost once a bucket, as the runtime pays it), so the joint
-    solve takes it too, recomputing nothing: recomputation would only add forward time."""
+    recomputation, at the price of gathering the stepped masters before the next forward
+    (exposed, as the runtime runs it); recomputing a layer instead costs forward time. The
+    joint solve weighs the two: it is never slower than ZeRO alone, and what it picks fits
+    (ZeRO-0 only by recomputing)."""
     traced, request, memory = data_parallel_gpt2
     limit = memory[0] - 0.1 * (memory[0] - memory[2])
     assert memory[1] < limit < memory[0]
@@ -375,8 +376,8 @@ def test_a_zero_stage_that_fits_costs_no_more_than_recomputing_layers(
     no_recompute(monkeypatch)
     plain = solve_sharding(traced, replace(request, memory_limit=limit))
     assert plain.zero >= 1 and not any(plain.recompute.values())
-    assert joint.zero >= 1 and not any(joint.recompute.values())
     assert _tie(joint.report.objective, plain.report.objective)
+    assert joint.zero >= 1 or any(joint.recompute.values())
     assert joint.memory() <= limit + 1e-6 * GIB  # HiGHS's tolerance on the GiB row
 
 
