@@ -18,9 +18,9 @@ outputs made whole. Then what the runtime does with the lowered program:
   (``plans.buckets.ddp_buckets``) of the parameters replicated over mesh axes, one
   all-reduce per bucket and axis (``runtime.grad_sync``);
 - **ZeRO-1/2** (``runtime.zero``): per bucket (``plans.buckets.open_buckets``), the
-  gradient sum (ZeRO-2: reduce-scatter in every microbatch's backward; ZeRO-1: all-reduce
-  once per step, of the gradient accumulated locally) and the all-gather of the stepped
-  masters before the next forward.
+  gradient sum (reduce-scatter; ZeRO-2: in every microbatch's backward; ZeRO-1: once per
+  step, of the gradient accumulated locally) and the all-gather of the stepped masters
+  before the next forward.
 
 Payloads follow ``plans.ledger``; what a call takes and whether compute hides it follow the
 cost model: reshards block (overlap ``none``); gradient sync and ZeRO's sums overlap the
@@ -481,9 +481,8 @@ def zero_entries(
 ) -> None:
     """ZeRO-1/2's buckets (``runtime.zero``, filled by stored bytes): the gradient sum, in
     the compute dtype under mixed precision, over the other replicated axes (all-reduce) and
-    the ZeRO axes (ZeRO-2: reduce-scatter, in every microbatch's backward; ZeRO-1:
-    all-reduce, once per step), and the fp32 masters gathered back before the next
-    forward."""
+    the ZeRO axes (reduce-scatter; ZeRO-2: in every microbatch's backward; ZeRO-1: once per
+    step, in the last), and the fp32 masters gathered back before the next forward."""
     mesh_shape = ledger.cost.mesh.shape
     parts = part_of or {}
     members = []
@@ -529,12 +528,17 @@ def zero_entries(
                 overlap="backward",
             )
         for axis in zero_axes:
-            kind = "reduce_scatter" if stage2 else "all_reduce"
             ledger.add(
-                kind, axis, wire, size, "backward", what, per_step=not stage2, overlap="backward"
+                "reduce_scatter",
+                axis,
+                wire,
+                size,
+                "backward",
+                what,
+                per_step=not stage2,
+                overlap="backward",
             )
-            if stage2:
-                size /= mesh_shape[axis]
+            size /= mesh_shape[axis]
         gathered = numel * itemsize(stored) / math.prod(mesh_shape[a] for a in zero_axes)
         for axis in reversed(zero_axes):
             gathered *= mesh_shape[axis]
@@ -543,33 +547,60 @@ def zero_entries(
             )
 
 
-def with_ledger(estimate: Estimate, entries: list[CommEntry], backward_s: float) -> Estimate:
-    """``estimate`` with its communication figures summed over ``entries``: every entry's
-    exposed seconds (what blocks: all of it; what backward may hide: gradient sync and
-    ZeRO's sums, bucket by bucket, ``cost_model.step.exposed_gradient_sync`` with the
-    ledger's own bucket count, shared in proportion to time), the bytes sent, all
-    communication time, and the step time (compute and bubble as before, plus the
-    exposed communication)."""
+def hide_overlapped(
+    entries: list[CommEntry], microbatches: int, backward_s: float, slack_s: float = 0.0
+) -> list[CommEntry]:
+    """``entries`` with the exposed seconds of those backward may hide (gradient sync,
+    ZeRO's sums), as the runtime runs them: each microbatch's backward hides what it
+    launches, bucket by bucket (``cost_model.step.exposed_gradient_sync``, ``backward_s``
+    one microbatch's backward): every microbatch, the sums paid per microbatch (ZeRO-2);
+    the last, those paid once a step as well (DDP's sync, ZeRO-1's). ``slack_s``: idle
+    time after the last backward that hides the rest (a pipeline stage that finishes
+    before the first). The exposed time is shared in proportion to time."""
     overlapped = [e for e in entries if e.overlap == "backward"]
-    hidden_total = sum(e.time_s for e in overlapped)
-    exposed_total = (
-        exposed_gradient_sync(hidden_total, backward_s, len(overlapped)) if overlapped else 0.0
-    )
-    share = exposed_total / hidden_total if hidden_total > 0 else 0.0
-    priced = [
+    every = [e for e in overlapped if e.calls_per_step == microbatches and microbatches > 1]
+    once = [e for e in overlapped if e not in every]
+    per_pass = sum(e.time_s for e in every) / microbatches
+    last = per_pass + sum(e.time_s for e in once)
+    exposed = (microbatches - 1) * exposed_gradient_sync(per_pass, backward_s, max(len(every), 1))
+    if last > 0:
+        exposed += max(
+            exposed_gradient_sync(last, backward_s, max(len(every) + len(once), 1)) - slack_s,
+            0.0,
+        )
+    total = sum(e.time_s for e in overlapped)
+    share = exposed / total if total > 0 else 0.0
+    return [
         e.model_copy(update={"exposed_s": e.time_s * share}) if e.overlap == "backward" else e
         for e in entries
     ]
-    by_kind: dict[str, float] = {}
-    for e in priced:
+
+
+def by_kind(entries: list[CommEntry]) -> dict[str, float]:
+    """Bytes sent per step by collective kind; what backward hides or the step runs after
+    the passes as ``gradient_sync``."""
+    found: dict[str, float] = {}
+    for e in entries:
         kind = "gradient_sync" if e.overlap == "backward" or e.phase == "step" else e.kind
-        by_kind[kind] = by_kind.get(kind, 0.0) + e.sent_per_step
+        found[kind] = found.get(kind, 0.0) + e.sent_per_step
+    return {k: v for k, v in found.items() if v}
+
+
+def with_ledger(
+    estimate: Estimate, entries: list[CommEntry], microbatches: int, backward_s: float
+) -> Estimate:
+    """``estimate`` (without a pipeline) with its communication figures summed over
+    ``entries``: every entry's exposed seconds (what blocks: all of it; what backward may
+    hide: ``hide_overlapped``, ``backward_s`` one microbatch's backward), the bytes sent,
+    all communication time, and the step time (compute and bubble as before, plus the
+    exposed communication)."""
+    priced = hide_overlapped(entries, microbatches, backward_s)
     exposed = sum(e.exposed_s for e in priced)
     return estimate.model_copy(
         update={
             "comm": tuple(priced),
             "comm_bytes_per_step": sum(e.sent_per_step for e in priced),
-            "comm_bytes_by_kind": {k: v for k, v in by_kind.items() if v},
+            "comm_bytes_by_kind": by_kind(priced),
             "comm_s": sum(e.time_s for e in priced),
             "exposed_comm_s": exposed,
             "step_time_s": estimate.step_time_s - estimate.exposed_comm_s + exposed,

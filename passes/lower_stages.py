@@ -44,7 +44,7 @@ stage the model's outputs.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +89,25 @@ class PipelinePlace:
 def stage_mesh(plan: Plan) -> MeshSpec:
     """The mesh the plan's layouts are on: one stage's mesh, or the whole mesh."""
     return plan.stage_mesh or plan.mesh
+
+
+def pipeline_axis_name(names: Sequence[str]) -> str:
+    """The pipeline axis's name: ``pp``, or ``pp_`` ... when a stage axis is called so."""
+    name = "pp"
+    while name in names:
+        name += "_"
+    return name
+
+
+def pipeline_mesh_spec(plan: Plan) -> MeshSpec:
+    """The mesh a pipeline plan runs on: ``(pp, *stage mesh)``, the pipeline axis first."""
+    inner = stage_mesh(plan)
+    return inner.model_copy(
+        update={
+            "shape": (plan.parallelism.pp, *inner.shape),
+            "axis_names": (pipeline_axis_name(inner.axis_names), *inner.axis_names),
+        }
+    )
 
 
 def locate(plan: Plan, rank: int) -> PipelinePlace:

@@ -36,7 +36,10 @@ class CommEntry(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kind: str = Field(description="all_gather, reduce_scatter, all_reduce, all_to_all, broadcast.")
+    kind: str = Field(
+        description="all_gather, reduce_scatter, all_reduce, all_to_all, broadcast; a "
+        "pipeline's send and recv."
+    )
     axes: tuple[str, ...] = Field(description="The mesh axes its group spans.")
     dtype: str
     bytes_per_call: float = Field(description="Payload per call (module docstring).")
@@ -77,6 +80,8 @@ def sent(kind: str, nbytes: float, devices: int) -> float:
         return 2 * share * nbytes
     if kind in ("all_gather", "reduce_scatter", "all_to_all"):
         return share * nbytes  # all-to-all: it keeps 1/n of its own buffer
+    if kind == "recv":
+        return 0.0  # its sender counts it
     return nbytes  # broadcast, send: the payload once
 
 

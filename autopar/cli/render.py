@@ -233,27 +233,30 @@ def comm_table(plan: Plan) -> Table:
     shape folded into a row (phase, kind, axes, dtype, bytes per call, what hides it), the
     costliest first, with the totals the summary quotes."""
     rows: dict[tuple, list] = {}
+    staged = plan.parallelism.pp > 1
     for e in plan.estimate.comm:
-        key = (e.phase, e.kind, e.axes, e.dtype, e.bytes_per_call, e.overlap)
+        key = (e.stage, e.phase, e.kind, e.axes, e.dtype, e.bytes_per_call, e.overlap)
         row = rows.setdefault(key, [0, 0, 0.0, 0.0, 0.0, e.what])
         row[0] += 1
         row[1] += e.calls_per_step
         row[2] += e.sent_per_step
         row[3] += e.time_s
         row[4] += e.exposed_s
-    table = Table(title="communication per step (the ledger)", title_justify="left")
+    title = "communication per step (the ledger)"
+    if staged:
+        title += "; a pipeline's totals: its busiest stage's"
+    table = Table(title=title, title_justify="left")
+    if staged:
+        table.add_column("stage", justify="right")
     table.add_column("phase")
     table.add_column("collective")
     for name in ("bytes/call", "calls", "time", "exposed"):
         table.add_column(name, justify="right")
     table.add_column("what (sites)")
     if not plan.estimate.comm:
-        table.caption = (
-            "this plan has no ledger: pipeline plans are not itemised yet (their figures "
-            "come from the stage estimates)"
-        )
-    ordered = sorted(rows.items(), key=lambda item: -item[1][3])
-    for (phase, kind, axes, dtype, nbytes, overlap), (
+        table.caption = "this plan communicates nothing (or was made before plans had a ledger)"
+    ordered = sorted(rows.items(), key=lambda item: (item[0][0], -item[1][3]))
+    for (stage, phase, kind, axes, dtype, nbytes, overlap), (
         sites,
         calls,
         _,
@@ -263,6 +266,7 @@ def comm_table(plan: Plan) -> Table:
     ) in ordered:
         hidden = "" if overlap == "none" else f" (under {overlap})"
         table.add_row(
+            *([str(stage)] if staged else []),
             phase,
             f"{kind} {','.join(axes)} {SHORT_DTYPES.get(dtype, dtype)}",
             format_bytes(nbytes),
@@ -273,6 +277,7 @@ def comm_table(plan: Plan) -> Table:
         )
     e = plan.estimate
     table.add_row(
+        *([""] if staged else []),
         "step",
         f"{format_bytes(e.comm_bytes_per_step)} sent",
         "",

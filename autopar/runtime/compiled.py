@@ -68,7 +68,6 @@ from autopar.runtime.pipeline import (
     TiedGradients,
     boundary_metas,
     microbatch_loss,
-    pipeline_mesh_spec,
 )
 from autopar.runtime.precision import run_precision
 from autopar.runtime.shards import gather_full, local_slices
@@ -81,6 +80,7 @@ from passes.lower_stages import (
     iter_stage_codes,
     local_parts,
     locate,
+    pipeline_mesh_spec,
     split_stages,
 )
 from passes.lower_stages import stage_mesh as plan_stage_mesh

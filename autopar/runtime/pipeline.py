@@ -49,32 +49,12 @@ from torch.distributed.pipelining import (
 
 from autopar.runtime.comm import AxisGroup, CommLog
 from passes.lower_spmd import LoweredGraph, local_shard
-from passes.lower_stages import StageProgram, stage_mesh
+from passes.lower_stages import StageProgram, pipeline_mesh_spec, stage_mesh
 from passes.trace import TracedModel
 from plans.errors import UsageError
-from plans.mesh import MeshSpec
 from plans.plan import Parallelism, Plan
 
 Loss = Callable[[Any, torch.Tensor], torch.Tensor]
-
-
-def pipeline_axis_name(names: Sequence[str]) -> str:
-    """The pipeline axis's name: ``pp``, or ``pp_`` ... when a stage axis is called so."""
-    name = "pp"
-    while name in names:
-        name += "_"
-    return name
-
-
-def pipeline_mesh_spec(plan: Plan) -> MeshSpec:
-    """The mesh a pipeline plan runs on: ``(pp, *stage mesh)``, the pipeline axis first."""
-    inner = stage_mesh(plan)
-    return inner.model_copy(
-        update={
-            "shape": (plan.parallelism.pp, *inner.shape),
-            "axis_names": (pipeline_axis_name(inner.axis_names), *inner.axis_names),
-        }
-    )
 
 
 def pipeline_mesh(plan: Plan, device_type: str) -> DeviceMesh:

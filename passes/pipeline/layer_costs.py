@@ -12,11 +12,13 @@ sides (a tied embedding and head) is counted on both: both stages hold a copy.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from passes.annotation import META_KEY
+from passes.annotation import META_KEY, dtype_itemsize
+from passes.mixed_precision import autocast_dtypes
 from passes.problem import copy_bytes, is_regathered, sole_keepers
 from passes.recompute import chosen_layers
 from passes.solve import Solved
@@ -35,7 +37,8 @@ class Part:
     gather_s: float = 0.0
     activations: float = 0.0  # saved bytes, one microbatch
     states: float = 0.0  # parameters + gradients + optimizer states
-    sync_s: float = 0.0  # gradient synchronisation, once per step
+    sync_s: float = 0.0  # gradient synchronisation, one pass (``CostModel.sync_passes``)
+    step_s: float = 0.0  # after the optimizer step: ZeRO's gathers of the masters
     boundary_bytes: float = 0.0  # what the part hands to the next, per device
     recompute_s: float = 0.0  # forward run again in backward, one microbatch
     params: dict[str, float] = field(default_factory=dict)  # name -> state bytes
@@ -51,10 +54,17 @@ class LayerCosts:
     pre: Part
     layers: list[Part]
     post: Part
+    # the local gradient bytes of the parameters ``pre`` and ``post`` share (a tied
+    # embedding), as stored: their gradients are summed across the end stages of a pipeline
+    tied_grad_bytes: float = 0.0
 
 
-def layer_costs(traced: TracedModel, solved: Solved) -> LayerCosts:
-    """Split the solution's costs by layer (see the module docstring)."""
+def layer_costs(
+    traced: TracedModel, solved: Solved, autocast: Mapping[str, str] | None = None
+) -> LayerCosts:
+    """Split the solution's costs by layer (see the module docstring). ``autocast``: each
+    node's dtype under the plan's autocast, when the caller has it
+    (``passes.mixed_precision.autocast_dtypes``)."""
     container = traced.layers
     count = container.count if container else 0
     parts = [Part() for _ in range(count)]
@@ -73,22 +83,27 @@ def layer_costs(traced: TracedModel, solved: Solved) -> LayerCosts:
             part = post if first_layer_seen else pre
         part_of[node.name] = part
     # parameters outside layers go with the nodes that use them (a tied weight: with both)
+    tied = 0.0
     for info in traced.params.values():
         users = {part_of[u.name] for n in info.nodes for u in _users(traced, n)}
         owners = users or {pre}
         layout = solved.output_layout(info.nodes[0])
-        param = cost.param_cost(
+        tensor = (
             traced.graph_module.graph.find_nodes(op="placeholder", target=info.nodes[0])[0]
             .meta[META_KEY]
-            .outputs[0],
-            layout,
+            .outputs[0]
         )
+        param = cost.param_cost(tensor, layout)
+        if pre in owners and post in owners:
+            stored = 2 if cost.precision == "bf16" else dtype_itemsize(tensor.dtype)
+            tied += tensor.numel * stored / layout.shard_factor(cost.mesh_shape)
         for part in owners:
             if info.name in part.params:
                 continue
             part.params[info.name] = param.memory
             part.states += param.memory
             part.sync_s += param.sync_s
+            part.step_s += param.step_s
     decisions = solved.decisions
     kept: set[tuple[str, int]] = set()  # activations whose resharded copy is counted
     sole = sole_keepers(decisions)
@@ -138,12 +153,16 @@ def layer_costs(traced: TracedModel, solved: Solved) -> LayerCosts:
         parts[layer].activations -= saving
         parts[layer].compute_s += forward
         parts[layer].recompute_s += forward
+    if autocast is None:
+        autocast = autocast_dtypes(traced, solved.cost.precision)
     for index, part in enumerate(parts):
         part.boundary_bytes = _boundary_bytes(
-            traced, solved, part_of, part, parts[index + 1] if index + 1 < count else post
+            traced, solved, part_of, part, parts[index + 1] if index + 1 < count else post, autocast
         )
-    pre.boundary_bytes = _boundary_bytes(traced, solved, part_of, pre, parts[0] if parts else post)
-    return LayerCosts(pre, parts, post)
+    pre.boundary_bytes = _boundary_bytes(
+        traced, solved, part_of, pre, parts[0] if parts else post, autocast
+    )
+    return LayerCosts(pre, parts, post, tied)
 
 
 def recomputed_layers(solved: Solved) -> dict[int, tuple[float, float]]:
@@ -171,11 +190,16 @@ def _users(traced: TracedModel, name: str) -> list[torch.fx.Node]:
 
 
 def _boundary_bytes(
-    traced: TracedModel, solved: Solved, part_of: dict[str, Part], part: Part, following: Part
+    traced: TracedModel,
+    solved: Solved,
+    part_of: dict[str, Part],
+    part: Part,
+    following: Part,
+    autocast: Mapping[str, str],
 ) -> float:
     """Bytes per device of the tensors ``part`` produces that later parts consume: what a
-    pipeline cut after it sends to the next stage (its local shards, in the compute
-    dtype)."""
+    pipeline cut after it sends to the next stage (its local shards, in the dtype the run
+    makes them: ``autocast``, ``passes.mixed_precision.autocast_dtypes``)."""
     mesh_shape = solved.cost.mesh_shape
     total = 0.0
     for node in traced.graph.nodes:
@@ -192,7 +216,8 @@ def _boundary_bytes(
             continue  # sent with its base
         layout = solved.output_layout(node.name)
         info = note.outputs[0]
-        wire = solved.cost.wire_itemsize(info) * info.numel  # fp32 as traced: sent in bf16
-        total += wire / layout.shard_factor(mesh_shape)
+        dtype = autocast.get(node.name)  # as autocast makes it (a residual sum stays fp32)
+        itemsize = dtype_itemsize(dtype) if dtype else solved.cost.wire_itemsize(info)
+        total += itemsize * info.numel / layout.shard_factor(mesh_shape)
     del following
     return total

@@ -38,7 +38,9 @@ from cost_model.memory import microbatches_in_flight
 from cost_model.step import exposed_gradient_sync, mfu, pipeline_time
 from passes.ilp import solve_ilp
 from passes.ledger import step_ledger, with_ledger
+from passes.mixed_precision import autocast_dtypes
 from passes.pipeline.layer_costs import LayerCosts, Part, layer_costs
+from passes.pipeline.ledger import pipeline_ledger, with_pipeline_ledger
 from passes.pipeline.stage_cut import StageCut, cut_stages, evaluate_cut
 from passes.plan_build import build_plan
 from passes.solve import (
@@ -51,6 +53,7 @@ from passes.solve import (
 )
 from passes.trace import TracedModel
 from plans.errors import AutoparError, InfeasiblePlanError, UsageError
+from plans.ledger import sent
 from plans.mesh import MeshSpec
 from plans.plan import (
     Alternative,
@@ -279,6 +282,7 @@ class _Search:
         self.smallest: tuple[float, str] | None = None
         self.errors: list[InfeasiblePlanError] = []
         self.traces: dict[int, TracedModel | None] = {}
+        self.autocast: dict[int, dict[str, str]] = {}  # traced batch -> node -> dtype
 
     def solve(
         self,
@@ -328,7 +332,9 @@ class _Search:
         """Cost every microbatch size of ``source`` and schedule of ``solved`` with ``p``
         stages; returns how many fit."""
         request = self.request
-        costs = layer_costs(source.traced, solved)
+        if source.batch not in self.autocast:  # the same for every stage count
+            self.autocast[source.batch] = autocast_dtypes(source.traced, solved.cost.precision)
+        costs = layer_costs(source.traced, solved, self.autocast[source.batch])
         stage_mesh = _stage_mesh(request.solve.mesh, p)
         # stages hand off on the whole mesh's links (a stage's own mesh may have none
         # between them: an axis of one device sends nothing)
@@ -494,19 +500,22 @@ def _evaluate(
 ) -> Candidate | tuple[float, str] | None:
     """A costed configuration, or (memory it needs, what) when it does not fit."""
     buckets = solved.parts.problem.buckets  # the runtime's gradient-sync buckets
+    passes = solved.cost.sync_passes
     scale = b / source.batch
     limit = request.solve.memory_limit
     if p == 1:
         parts = [costs.pre, *costs.layers, costs.post]
         # as the intra-op ILP counts it: compute, resharding and parameter gathers per
-        # microbatch; gradient sync once, hidden bucket by bucket behind the backward passes
-        # (cost_model.step.exposed_gradient_sync)
+        # microbatch; gradient sync once (ZeRO-2: every microbatch), hidden bucket by bucket
+        # behind one backward each time (cost_model.step.exposed_gradient_sync); ZeRO's
+        # gathers after the step
         time = sum(part.time_at(scale) for part in parts)
         states = sum(part.states for part in parts) - _shared_states(costs)
         activations = sum(part.activations for part in parts) * scale
         sync = sum(part.sync_s for part in parts)
         backward = (sum(part.compute_s - part.forward_s for part in parts)) * scale
-        step = m * time + exposed_gradient_sync(sync, m * backward, buckets)
+        after = sum(part.step_s for part in parts)
+        step = m * time + _exposed_sync(sync, backward, 0.0, buckets, passes(m)) + after
         memory = states + activations
         forward = sum(part.forward_s for part in parts) * scale
         candidate = Candidate(
@@ -544,12 +553,23 @@ def _evaluate(
         return (max(cut.stage_memory), f"{p} stages, {schedule}")
     pipeline = pipeline_time(cut.stage_times, m, chunks)
     syncs = _stage_values(costs, cut, p, chunks, lambda part: part.sync_s)
+    afters = _stage_values(costs, cut, p, chunks, lambda part: part.step_s)
     backwards = _stage_values(
         costs, cut, p, chunks, lambda part: (part.compute_s - part.forward_s) * scale
     )
+    # each stage syncs in its last microbatch's backward; the stages before it are still
+    # running theirs (the first stage finishes last), which hides what its own does not
+    # after the schedule a tied weight's gradient is summed across the end stages, and the
+    # loss broadcast from the last (``passes.pipeline.ledger``)
+    link = mesh_cost.mesh.handoff_axis(p, p - 1)
+    tied = mesh_cost.p2p(sent("all_reduce", costs.tied_grad_bytes, 2), link)
+    loss = mesh_cost.p2p(4.0, link)
     exposed = max(
-        exposed_gradient_sync(s, b_ * m, max(buckets // p, 1))
-        for s, b_ in zip(syncs, backwards, strict=True)
+        _exposed_sync(sync, backwards[s], sum(backwards[:s]), max(buckets // p, 1), passes(m))
+        + afters[s]
+        + (tied if s in (0, p - 1) else 0.0)
+        + loss
+        for s, sync in enumerate(syncs)
     )
     step = pipeline + exposed
     forwards = _stage_values(costs, cut, p, chunks, lambda part: part.forward_s * scale)
@@ -573,6 +593,13 @@ def _evaluate(
         max(syncs),
         source,
     )
+
+
+def _exposed_sync(sync: float, backward: float, slack: float, buckets: int, passes: int) -> float:
+    """The gradient sync backward leaves exposed: ``passes`` of ``sync`` each, each hidden
+    behind one microbatch's ``backward`` bucket by bucket, the last also by ``slack``."""
+    one = exposed_gradient_sync(sync, backward, buckets)
+    return (passes - 1) * one + max(one - slack, 0.0)
 
 
 def _shared_states(costs: LayerCosts) -> float:
@@ -737,17 +764,17 @@ def _to_plan(request: PipelineRequest, best: Candidate, others: list[Candidate])
         )
         for c in others
     )
-    if p == 1:  # the figures summed over the ledger (pipelines: not yet)
+    if p == 1:  # the figures summed over the ledger
         planned = base.model_copy(update={"parallelism": parallelism})
         ledger = step_ledger(traced, planned, batch_scale=scale)
         solved = best.solved
         backward = sum(solved.parts.compute_bwd[d][k] for d, k in solved.choice.items())
-        estimate = with_ledger(estimate, ledger, backward * scale * best.microbatches)
+        estimate = with_ledger(estimate, ledger, best.microbatches, backward * scale)
         peak = peak_flops(solved.cost.mesh_cost.preset, solved.cost.compute_dtype) or 1.0
         estimate = estimate.model_copy(
             update={"mfu": mfu(estimate.flops_per_step, estimate.step_time_s, peak, mesh.size)}
         )
-    return base.model_copy(
+    plan = base.model_copy(
         update={
             "mesh": mesh,
             "stage_mesh": best.stage_mesh if p > 1 else None,
@@ -758,6 +785,23 @@ def _to_plan(request: PipelineRequest, best: Candidate, others: list[Candidate])
             "recompute": recompute,
         }
     )
+    if p > 1:  # the figures read off the pipeline's ledger
+        costs = layer_costs(traced, best.solved)
+        cut = StageCut(best.first_layers, best.stage_times, (), (), ())
+        compute = _stage_values(costs, cut, p, v, lambda part: part.compute_s * scale)
+        backward = _stage_values(
+            costs, cut, p, v, lambda part: (part.compute_s - part.forward_s) * scale
+        )
+        entries = pipeline_ledger(traced, plan, batch_scale=scale)
+        estimate = with_pipeline_ledger(estimate, entries, compute, backward, best.microbatches, v)
+        peak = peak_flops(best.solved.cost.mesh_cost.preset, best.solved.cost.compute_dtype)
+        estimate = estimate.model_copy(
+            update={
+                "mfu": mfu(estimate.flops_per_step, estimate.step_time_s, peak or 1.0, mesh.size)
+            }
+        )
+        plan = plan.model_copy(update={"estimate": estimate})
+    return plan
 
 
 def _estimate(base: Plan, best: Candidate, mesh: MeshSpec, traced_batch: int) -> Estimate:

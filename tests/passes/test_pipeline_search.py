@@ -105,7 +105,10 @@ def test_pipeline_across_nodes_when_sharding_across_them_costs_more():
     assert len(plan.stages) == plan.parallelism.pp * plan.parallelism.chunks
     ranks = [r for stage in plan.stages[: plan.parallelism.pp] for r in stage.ranks]
     assert sorted(ranks) == list(range(128))
-    assert all(a.step_time_s >= plan.estimate.step_time_s for a in plan.alternatives)
+    # the alternatives keep the search's per-layer estimates; the chosen plan's is read off
+    # its ledger (``passes.pipeline.ledger``), which prices each hand-off at its own size
+    # rather than the widest: the two agree to 0.01% here, and a near-tie may swap
+    assert all(a.step_time_s >= plan.estimate.step_time_s * (1 - 1e-4) for a in plan.alternatives)
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,8 @@ def logits_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
 def observed_and_planned(
     rank: int, world: int, mesh_shape: tuple[int, ...], cases: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    """Per case (``model``, ``force``, ``zero``, ``microbatches``, ``precision``): the
+    """Per case (``model``, ``force``, ``zero``, ``microbatches``, ``precision``, ``stages``,
+    ``schedule``, ``chunks``, ``config`` for the model's builder): the
     second step's observed collectives and the plan's ledger, both tallied by (kind, axes,
     dtype), and the calls in order with their phases (to read a failure)."""
     axes = ("dp", "tp")[: len(mesh_shape)] if len(mesh_shape) > 1 else ("dp",)
@@ -38,7 +39,9 @@ def observed_and_planned(
     for case in cases:
         torch.manual_seed(0)
         microbatches = case.get("microbatches", 1)
-        model, (tokens,) = build(case.get("model", "gpt-tiny"), batch_size=4)
+        model, (tokens,) = build(
+            case.get("model", "gpt-tiny"), batch_size=4, **case.get("config", {})
+        )
         batch = tokens.repeat(microbatches, 1)
         compiled = autopar.compile(
             model,
@@ -49,7 +52,9 @@ def observed_and_planned(
             zero=case.get("zero", 0),
             global_batch=4 * microbatches,
             microbatches=microbatches,
-            stages=1,
+            stages=case.get("stages", 1),
+            schedule=case.get("schedule"),
+            chunks=case.get("chunks"),
             precision=case.get("precision", "fp32"),
         )
         optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
@@ -63,6 +68,7 @@ def observed_and_planned(
             grads = _nbytes(p.grad for p in compiled.parameters() if p.grad is not None)
             optimizer.step()
         plan = compiled.plan
+        stage = compiled.stage
         results.append(
             {
                 "case": case,
@@ -81,13 +87,15 @@ def observed_and_planned(
                     ),
                 },
                 "memory": plan.estimate.memory_per_device_bytes.model_dump(),
-                "planned": tally_entries(plan.estimate.comm),
+                # a pipeline's ledger has every stage's entries: this rank's stage's
+                "planned": tally_entries(e for e in plan.estimate.comm if e.stage == stage),
                 "calls": [
                     (c.kind, c.axes, c.dtype, c.nbytes, c.phase) for c in compiled.observed_calls()
                 ],
                 "ledger": [
                     (e.kind, e.axes, e.dtype, e.bytes_per_call, e.calls_per_step, e.phase, e.what)
                     for e in plan.estimate.comm
+                    if e.stage == stage
                 ],
             }
         )
