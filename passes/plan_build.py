@@ -7,6 +7,7 @@ layouts, and the step estimate (compute, communication not hidden, memory per de
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from cost_model.compute import peak_flops
@@ -245,13 +246,19 @@ def _parallelism(
     ]
     ep_axes = [a for a in range(len(mesh_shape)) if expert_total and experts[a] * 2 > expert_total]
     sp = any(_sequence_sharded(traced, solved, a) for a in tp_axes)
-    # experts stored split on their expert dim over an ep axis are not FSDP: used in place
-    fsdp = any(
-        isinstance(p.param[a], Shard)
-        and not (name in expert_dim and a in ep_axes and p.param[a] == Shard(expert_dim[name]))
-        for name, p in params.items()
-        for a in dp_axes
-    )
+
+    # FSDP when most of the parameters' elements are stored split over a data-parallel
+    # axis (a plan that splits only a bias that way is not); experts stored split on their
+    # expert dim over an ep axis are not FSDP: used in place
+    def fsdp_sharded(name: str, p: ParamPlan) -> bool:
+        return any(
+            isinstance(p.param[a], Shard)
+            and not (name in expert_dim and a in ep_axes and p.param[a] == Shard(expert_dim[name]))
+            for a in dp_axes
+        )
+
+    elements = sum(math.prod(p.shape) for p in params.values())
+    fsdp = 2 * sum(math.prod(p.shape) for n, p in params.items() if fsdp_sharded(n, p)) > elements
 
     def product(axes: list[int]) -> int:
         size = 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -109,6 +110,12 @@ def test_pipeline_across_nodes_when_sharding_across_them_costs_more():
     # its ledger (``passes.pipeline.ledger``), which prices each hand-off at its own size
     # rather than the widest: the two agree to 0.01% here, and a near-tie may swap
     assert all(a.step_time_s >= plan.estimate.step_time_s * (1 - 1e-4) for a in plan.alternatives)
+    # the label says what is stored: ZeRO-3/FSDP only when most parameter elements are split
+    # over the stage's devices (here every such split is over dp: tp is 1)
+    assert plan.parallelism.tp == 1
+    elements = sum(math.prod(p.shape) for p in plan.params.values())
+    split = sum(math.prod(p.shape) for p in plan.params.values() if not p.param.is_replicated)
+    assert (plan.parallelism.zero == 3) == (2 * split > elements)
 
 
 @pytest.mark.parametrize(
