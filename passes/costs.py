@@ -195,6 +195,11 @@ class CostModel:
         bwd = self.mesh_cost.reshard(dual(dst), dual(src), info.shape, itemsize).time
         return fwd, bwd
 
+    def stored_itemsize(self, info: TensorInfo) -> int:
+        """Bytes per value of a parameter as the device holds it (and its gradient, and
+        ZeRO's master): as traced, but bf16 under pure ``bf16``."""
+        return 2 if self.precision == "bf16" else dtype_itemsize(info.dtype)
+
     def sync_passes(self, microbatches: int) -> int:
         """How often a step runs the overlappable gradient sync, each pass hidden behind one
         microbatch's backward: every microbatch under ZeRO-2, else once (the last
@@ -241,8 +246,7 @@ class CostModel:
         for axis in zero_axes:
             sync += self.bucketed("reduce_scatter", piece, (axis,))
             piece /= self.mesh_shape[axis]
-        stored = 2 if self.precision == "bf16" else dtype_itemsize(info.dtype)
-        gathered = info.numel * stored / shard / zero_shard
+        gathered = info.numel * self.stored_itemsize(info) / shard / zero_shard
         for axis in reversed(zero_axes):
             gathered *= self.mesh_shape[axis]
             step += self.bucketed("all_gather", gathered, (axis,))

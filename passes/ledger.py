@@ -300,7 +300,7 @@ class Walk:
         made = Reshard(
             producer,
             list(self._calls(steps, info.numel * (1.0 if param else self.scale))),
-            self._dtype(info.dtype, param, producer),
+            self.dtype_of(info.dtype, param, producer),
             bool(note.requires_grad),
             param,
             starts_local=bool(steps) and steps[0].local,
@@ -337,7 +337,7 @@ class Walk:
             and op in LOW_PRECISION_OPS
         )
 
-    def _dtype(self, dtype: str, param: str | None, producer: str) -> str:
+    def dtype_of(self, dtype: str, param: str | None, producer: str) -> str:
         """What a tensor travels as: a parameter as stored (fp32 masters under mixed
         precision; a group may cast it, ``step_ledger``); an activation as autocast makes
         it (``passes.mixed_precision.autocast_dtypes``), else as the plan's precision
@@ -424,7 +424,7 @@ def param_order(traced: TracedModel) -> list[str]:
     return list(order)
 
 
-def _stored(plan: Plan, param: ParamPlan) -> str:
+def stored_dtype(plan: Plan, param: ParamPlan) -> str:
     """The dtype a parameter (and its gradient) is held in on the device."""
     return "bfloat16" if plan.precision == "bf16" and param.dtype == "float32" else param.dtype
 
@@ -454,7 +454,7 @@ def gradient_sync_entries(
         )
         if axes:
             numel = _local_numel(param, mesh_shape)
-            synced.append((axes, _stored(plan, param), numel, parts.get(name, 0)))
+            synced.append((axes, stored_dtype(plan, param), numel, parts.get(name, 0)))
     items = [
         ((part, axes, stored), numel * itemsize(stored)) for axes, stored, numel, part in synced
     ]
@@ -506,7 +506,7 @@ def zero_entries(
         for axis, dim in found:
             even = even and local[dim] % mesh_shape[axis] == 0
             local[dim] //= mesh_shape[axis]
-        stored, stage2 = _stored(plan, param), param.grad != param.param
+        stored, stage2 = stored_dtype(plan, param), param.grad != param.param
         numel = _local_numel(param, mesh_shape)
         key = (parts.get(name, 0), zero_axes, others, stage2, stored) if even else None
         members.append((key, numel * itemsize(stored), numel, zero_axes, others, stage2, stored))
@@ -516,29 +516,13 @@ def zero_entries(
         what = f"ZeRO-{2 if stage2 else 1}: bucket {number}, {len(bucket)} params"
         wire = _wire_dtype(plan, stored)
         size = float(numel * itemsize(wire))
-        for axis in others:
+        sums = [("all_reduce", a) for a in others] + [("reduce_scatter", a) for a in zero_axes]
+        for kind, axis in sums:
             ledger.add(
-                "all_reduce",
-                axis,
-                wire,
-                size,
-                "backward",
-                what,
-                per_step=not stage2,
-                overlap="backward",
+                kind, axis, wire, size, "backward", what, per_step=not stage2, overlap="backward"
             )
-        for axis in zero_axes:
-            ledger.add(
-                "reduce_scatter",
-                axis,
-                wire,
-                size,
-                "backward",
-                what,
-                per_step=not stage2,
-                overlap="backward",
-            )
-            size /= mesh_shape[axis]
+            if kind == "reduce_scatter":
+                size /= mesh_shape[axis]
         gathered = numel * itemsize(stored) / math.prod(mesh_shape[a] for a in zero_axes)
         for axis in reversed(zero_axes):
             gathered *= mesh_shape[axis]

@@ -95,8 +95,9 @@ def layer_costs(
         )
         param = cost.param_cost(tensor, layout)
         if pre in owners and post in owners:
-            stored = 2 if cost.precision == "bf16" else dtype_itemsize(tensor.dtype)
-            tied += tensor.numel * stored / layout.shard_factor(cost.mesh_shape)
+            tied += (
+                tensor.numel * cost.stored_itemsize(tensor) / layout.shard_factor(cost.mesh_shape)
+            )
         for part in owners:
             if info.name in part.params:
                 continue

@@ -44,6 +44,7 @@ from passes.ledger import (
     itemsize,
     param_order,
     reshard_entries,
+    stored_dtype,
     zero_entries,
 )
 from passes.lower_spmd import lower_spmd
@@ -168,7 +169,7 @@ class _PipelineLedger:
         device: its local piece in the layout it is in there."""
         producer, layout = self._producer(name)
         info = self.walk.nodes[producer].meta[META_KEY].outputs[0]
-        dtype = self.walk._dtype(info.dtype, self.walk.param_of.get(producer), producer)
+        dtype = self.walk.dtype_of(info.dtype, self.walk.param_of.get(producer), producer)
         local = math.prod(layout.local_shape(info.shape, self.mesh.shape))
         scale = 1.0 if producer in self.walk.param_of else self.walk.scale
         return dtype, local * scale * itemsize(dtype)
@@ -198,11 +199,7 @@ class _PipelineLedger:
             for p, o, size in zip(param.param, param.optimizer, shape, strict=True)
             if isinstance(p, Replicate) and isinstance(o, Shard)
         )
-        dtype = (
-            "bfloat16"
-            if self.plan.precision == "bf16" and param.dtype == "float32"
-            else (param.dtype)
-        )
+        dtype = stored_dtype(self.plan, param)
         nbytes = numel * itemsize(dtype)
         seconds = self._between_stages("all_reduce", nbytes, stages)
         ledger.add_entry(
