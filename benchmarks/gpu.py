@@ -38,13 +38,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import autopar
-from autopar.runtime.aligned_linear import aligned_linear
 from autopar.testing.ranks import free_port
 from benchmarks.render import profile_table
 from cost_model.compute import op_time
 from cost_model.hardware import DevicePreset, load_preset
 from examples.models import build
 from passes.annotation import META_KEY
+from passes.rewrites.aligned_linear import aligned_linear
 from passes.trace import trace
 
 aten = torch.ops.aten
@@ -323,7 +323,8 @@ def main() -> int:
         copy.deepcopy(model), mesh, example_inputs=(tokens,), precision="bf16_mixed"
     )
     report["compile_s"] = time.perf_counter() - start
-    # runs from here on have the q/k/v projection as one matmul (``runtime.fused_projection``)
+    # runs from here on have the q/k/v projection as one matmul
+    # (``passes.rewrites.fused_projection``)
     report["fused_projection"] = True
     # and the model given to compile is freed when it returns (``autopar.api._build``)
     report["frees_given_model"] = True

@@ -628,7 +628,7 @@ def gpu(record: dict[str, Any] | None) -> str:
         lines.append(
             f"- The lm_head linear ({head['shape']}), whose 50257 rows are not 16-byte "
             "aligned in bf16, runs with its weight padded to a multiple of 8 rows "
-            f"(`autopar/runtime/aligned_linear.py`): {1e3 * head['measured_s']:.1f} ms "
+            f"(`passes/rewrites/aligned_linear.py`): {1e3 * head['measured_s']:.1f} ms "
             f"against {1e3 * head['predicted_preset_s']:.1f} ms predicted."
         )
     elif head is not None:
@@ -663,9 +663,9 @@ def gpu(record: dict[str, Any] | None) -> str:
             "- Changed since this run, not measured on a GPU yet: each rank's q/k/v "
             "projection ran as an einsum (permutes and a batched matmul) and a separate "
             "bias add, which under autocast promoted the bf16 product to fp32; it now runs "
-            "as eager's one matmul with the bias (`autopar/runtime/fused_projection.py`). "
+            "as eager's one matmul with the bias (`passes/rewrites/fused_projection.py`). "
             "On CPU the compiled bf16 step now dispatches the same matmuls and casts as the "
-            "eager one (`tests/autopar/runtime/test_fused_projection.py`)."
+            "eager one (`tests/passes/rewrites/test_fused_projection.py`)."
         )
     if not g.get("frees_given_model"):
         gap = step["compiled_peak_bytes"] - step["eager_peak_bytes"]

@@ -1,18 +1,29 @@
 """Memory per device at the peak of a training step: model states and saved activations.
 
-**Model states** (Rajbhandari et al. 2019, "ZeRO", Sec. 3.1). A parameter of ``N`` values
-costs ``param_bytes * N`` for the weights, ``grad_bytes * N`` for the gradient and
-``K * N``-ish for the optimizer, where ``K`` = fp32 master copy (mixed precision only) plus
-the optimizer's state values times their width:
+**Model states.** A parameter of ``N`` values costs ``N`` times a width for its weights,
+its gradient and its optimizer state (the optimizer's state values, plus an fp32 master
+copy where the weights the graph reads are not the ones the optimizer steps). The widths
+are those the runtime holds (``runtime.precision``, ``runtime.zero``):
 
-==============  ===========  ===========  =================  ============================
-precision       param bytes  grad bytes   fp32 master copy   optimizer state value bytes
-==============  ===========  ===========  =================  ============================
-fp32            4            4            no                 4
-bf16_mixed      2            2            yes (4, counted    4
-fp16_mixed      2            2            as optimizer)      4
-bf16            2            2            no                 2
-==============  ===========  ===========  =================  ============================
+==============  ===============================  =================  ====================
+precision       weights (param bytes)            gradient bytes     optimizer bytes
+==============  ===============================  =================  ====================
+fp32            4                                4                  states x 4
+bf16_mixed      4: the fp32 parameter is its     4                  states x 4
+fp16_mixed      own master (torch.autocast;
+                FSDP2's MixedPrecisionPolicy
+                keeps the sharded fp32 one)
+bf16            2                                2                  states x 2
+==============  ===============================  =================  ====================
+
+A ZeRO-1/2 parameter (optimizer state sharded beyond the parameter) is held as a *working
+copy* the graph reads and a *master* piece the optimizer steps (``runtime.zero``): weights
+``w``, the working copy's width (under mixed precision the compute dtype's 2 when every op
+that reads it casts it anyway, a matmul's weight, ``passes.mixed_precision``; else the
+stored width); gradient ``w`` for ZeRO-1 (the working gradient, accumulated whole over
+the microbatches), the master's width for ZeRO-2 (each microbatch's sum lands in the
+master's piece; torch steps a parameter with a gradient of its own dtype); optimizer the
+master piece plus the states, all in the master's width (4, or 2 under pure bf16).
 
 ==============  ==========================================================================
 optimizer       state values for a parameter of shape ``(..., r, c)`` with ``N`` values
@@ -25,7 +36,9 @@ adafactor       ``N / (r c) * (r + c)`` for ``ndim >= 2`` (row and column second
                 ``torch.optim.Adafactor``, which factors the last two dims)
 ==============  ==========================================================================
 
-So mixed-precision Adam is 2 + 2 + (4 + 4 + 4) = 16 bytes per parameter, ZeRO's K = 12.
+So mixed-precision Adam is 4 + 4 + 8 = 16 bytes per parameter, and a ZeRO matmul weight
+2 + 2 + (4 + 4 + 4): ZeRO's K = 12 (Rajbhandari et al. 2019, Sec. 3.1), except that a
+ZeRO-2 gradient piece is 4 bytes where DeepSpeed keeps 2.
 
 Each of the three terms is divided by the shard factor of *its own* layout
 (``Layout.shard_factor``), so ZeRO falls out of layouts: replicate all three over the data
@@ -41,9 +54,12 @@ tensor the step ever allocates.
 
 What it leaves out: allocator fragmentation and caching, CUDA context and NCCL buffers,
 communication buffers of in-flight collectives (FSDP's prefetched all-gathers), gradient
-buckets, and the parameter copies that ZeRO-3 gathers for the layer it is running.
+buckets (ZeRO-2's whole working gradients of one microbatch among them), and the
+parameter copies that ZeRO-3 gathers for the layer it is running.
 
 >>> param_state_bytes((4096, 4096), "adam", "bf16_mixed")
+(67108864, 67108864, 134217728)
+>>> param_state_bytes((4096, 4096), "adam", "bf16_mixed", zero=1, working_cast=True)
 (33554432, 33554432, 201326592)
 """
 
@@ -66,7 +82,10 @@ OPTIMIZERS: tuple[str, ...] = ("sgd", "sgd_momentum", "adam", "adamw", "adafacto
 
 
 class PrecisionPolicy(NamedTuple):
-    """Bytes per value of each kind of model state."""
+    """Bytes per value: ``param`` of a 16-bit (or fp32) copy the forward reads and of an
+    activation stored in the compute dtype, ``grad`` of a gradient on the wire (summed in
+    the compute dtype under mixed precision), ``master`` of the weights the optimizer steps,
+    ``state`` of an optimizer state value."""
 
     param: int
     grad: int
@@ -75,10 +94,10 @@ class PrecisionPolicy(NamedTuple):
 
 
 PRECISIONS: dict[str, PrecisionPolicy] = {
-    "fp32": PrecisionPolicy(param=4, grad=4, master=0, state=4),
+    "fp32": PrecisionPolicy(param=4, grad=4, master=4, state=4),
     "bf16_mixed": PrecisionPolicy(param=2, grad=2, master=4, state=4),
     "fp16_mixed": PrecisionPolicy(param=2, grad=2, master=4, state=4),
-    "bf16": PrecisionPolicy(param=2, grad=2, master=0, state=2),
+    "bf16": PrecisionPolicy(param=2, grad=2, master=2, state=2),
 }
 
 
@@ -127,18 +146,32 @@ def optimizer_state_values(shape: Sequence[int], optimizer: str) -> int:
     raise UsageError(f"unknown optimizer {optimizer!r}; one of {', '.join(OPTIMIZERS)}")
 
 
-def param_state_bytes(shape: Sequence[int], optimizer: str, precision: str) -> tuple[int, int, int]:
-    """Unsharded ``(params, grads, optimizer)`` bytes of one parameter.
-
-    The optimizer term holds the fp32 master copy under mixed precision, as ZeRO counts it.
+def param_state_bytes(
+    shape: Sequence[int],
+    optimizer: str,
+    precision: str,
+    *,
+    zero: int = 0,
+    working_cast: bool = False,
+) -> tuple[int, int, int]:
+    """Unsharded ``(params, grads, optimizer)`` bytes of one parameter as the runtime holds
+    it (the tables above). ``zero``: 1 or 2 for a parameter whose optimizer state (and, for
+    2, gradient) is sharded beyond it; ``working_cast``: its working copy is in the compute
+    dtype (mixed precision, a parameter only matmuls read).
 
     >>> param_state_bytes((10,), "adam", "fp32")
     (40, 40, 80)
+    >>> param_state_bytes((10,), "adam", "fp32", zero=1)  # + the master piece
+    (40, 40, 120)
     """
     policy = precision_policy(precision)
     numel = math.prod(shape)
-    states = optimizer_state_values(shape, optimizer)
-    return policy.param * numel, policy.grad * numel, policy.master * numel + policy.state * states
+    states = policy.state * optimizer_state_values(shape, optimizer)
+    if not zero:
+        return policy.master * numel, policy.master * numel, states
+    working = policy.param if working_cast else policy.master
+    grad = working if zero == 1 else policy.master
+    return working * numel, grad * numel, policy.master * numel + states
 
 
 def _mesh_shape(mesh: MeshSpec | Sequence[int]) -> tuple[int, ...]:
@@ -150,16 +183,25 @@ def model_state_memory(
     mesh: MeshSpec | Sequence[int],
     optimizer: str = "adamw",
     precision: str = "fp32",
+    *,
+    working_cast: bool = True,
 ) -> MemoryBreakdown:
     """Parameter, gradient and optimizer bytes per device; each divided by its layout's shards.
 
     ``params``: anything with ``shape``, ``param``, ``grad`` and ``optimizer`` layouts, such
-    as ``plans.ParamPlan`` or ``ParamLayouts``. ``activations`` is left at 0.
+    as ``plans.ParamPlan`` or ``ParamLayouts``; a parameter whose optimizer layout shards
+    more than its parameter layout is held as ZeRO holds it, its working copy in the compute
+    dtype under mixed precision when ``working_cast`` (matmul weights).
+    ``activations`` is left at 0.
     """
     mesh_shape = _mesh_shape(mesh)
     totals = [0.0, 0.0, 0.0]
     for p in params:
-        sizes = param_state_bytes(p.shape, optimizer, precision)
+        param_shards = p.param.shard_factor(mesh_shape)
+        zero = 0
+        if p.optimizer.shard_factor(mesh_shape) > param_shards:
+            zero = 2 if p.grad.shard_factor(mesh_shape) > param_shards else 1
+        sizes = param_state_bytes(p.shape, optimizer, precision, zero=zero, working_cast=working_cast)
         for i, (nbytes, layout) in enumerate(
             zip(sizes, (p.param, p.grad, p.optimizer), strict=True)
         ):

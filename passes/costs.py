@@ -77,6 +77,9 @@ class CostModel:
     # what fills one gradient-sync bucket: DDP's 25 MiB, or the whole model's gradients
     # when they are fewer (``bucketed``)
     bucket_bytes: float = BUCKET_BYTES
+    # parameter placeholders whose ZeRO working copy is in the compute dtype (mixed
+    # precision: those only matmuls read, ``passes.mixed_precision.cast_for_gather``)
+    working_cast: frozenset[str] = frozenset()
     _edge_cache: dict[object, tuple[float, float]] = field(
         default_factory=dict, repr=False, compare=False
     )
@@ -195,6 +198,10 @@ class CostModel:
         bwd = self.mesh_cost.reshard(dual(dst), dual(src), info.shape, itemsize).time
         return fwd, bwd
 
+    @cached_property
+    def compute_itemsize(self) -> int:
+        return precision_policy(self.precision).param
+
     def stored_itemsize(self, info: TensorInfo) -> int:
         """Bytes per value of a parameter as the device holds it (and its gradient, and
         ZeRO's master): as traced, but bf16 under pure ``bf16``."""
@@ -219,40 +226,47 @@ class CostModel:
         fixed = self.mesh_cost.collective(kind, 1.0, axes).time  # a byte: the fixed cost
         return whole - fixed + fixed * min(1.0, nbytes / self.bucket_bytes)
 
-    def param_cost(self, info: TensorInfo, layout: Layout) -> ParamCost:
-        """Memory and gradient-sync time of a parameter stored in ``layout``."""
-        params, grads, optimizer = param_state_bytes(info.shape, self.optimizer, self.precision)
+    def param_cost(self, info: TensorInfo, layout: Layout, node: str = "") -> ParamCost:
+        """Memory and gradient-sync time of a parameter stored in ``layout`` (``node``: its
+        placeholder, which says whether a ZeRO working copy is cast, ``working_cast``)."""
         shard = layout.shard_factor(self.mesh_shape)
         replicated = tuple(
             a for a, p in enumerate(layout) if isinstance(p, Replicate) and self.mesh_shape[a] > 1
         )
-        grad_bytes = grads / shard
         zero_shard = 1
         zero_axes: tuple[int, ...] = ()
         if self.zero and replicated:
             zero_layout = zero_layout_of(layout, info.shape, self.mesh_shape)
             zero_shard = zero_layout.shard_factor(self.mesh_shape) // shard
             zero_axes = tuple(a for a in replicated if isinstance(zero_layout[a], Shard))
+        zero = self.zero if zero_shard > 1 else 0
+        cast = node in self.working_cast
+        params, grads, optimizer = param_state_bytes(
+            info.shape, self.optimizer, self.precision, zero=zero, working_cast=cast
+        )
         # as the runtime sums them (``runtime.grad_sync``, ``runtime.zero``), one call per
-        # mesh axis: DDP all-reduces the accumulated gradient over each replicated axis;
-        # ZeRO all-reduces it over the axes it does not shard and reduce-scatters it over
-        # those it does, the piece shrinking axis by axis (ZeRO-1: once, ZeRO-2: every
-        # microbatch's), and gathers the stepped masters (as stored) back after the step
+        # mesh axis, in the compute dtype under mixed precision: DDP all-reduces the
+        # accumulated gradient over each replicated axis; ZeRO all-reduces it over the axes
+        # it does not shard and reduce-scatters it over those it does, the piece shrinking
+        # axis by axis (ZeRO-1: once, ZeRO-2: every microbatch's), and gathers the stepped
+        # masters back after the step, in the working copy's dtype
+        wire = info.numel * self.wire_itemsize(info) / shard
         sync = step = 0.0
         for axis in replicated:
             if axis not in zero_axes:
-                sync += self.bucketed("all_reduce", grad_bytes, (axis,))
-        piece = grad_bytes
+                sync += self.bucketed("all_reduce", wire, (axis,))
+        piece = wire
         for axis in zero_axes:
             sync += self.bucketed("reduce_scatter", piece, (axis,))
             piece /= self.mesh_shape[axis]
-        gathered = info.numel * self.stored_itemsize(info) / shard / zero_shard
+        working = self.compute_itemsize if cast else self.stored_itemsize(info)
+        gathered = info.numel * working / shard / zero_shard
         for axis in reversed(zero_axes):
             gathered *= self.mesh_shape[axis]
             step += self.bucketed("all_gather", gathered, (axis,))
         return ParamCost(
             params=params / shard,
-            grads=grad_bytes / (zero_shard if self.zero >= 2 else 1),
+            grads=grads / shard / (zero_shard if zero >= 2 else 1),
             optimizer=optimizer / shard / zero_shard,
             sync_s=sync,
             step_s=step,

@@ -9,7 +9,7 @@ outputs made whole. Then what the runtime does with the lowered program:
 - **backward**, every microbatch, for tensors that need a gradient: each collective's
   adjoint in reverse order (all-gather <-> reduce-scatter, all-reduce <-> all-reduce,
   all-to-all <-> all-to-all, the same payload), except the output all-reduces whose adjoint
-  ``runtime.output_boundary`` skips;
+  ``passes.rewrites.output_boundary`` skips;
 - **FSDP groups** (``runtime.param_groups``): a parameter's all-gather straight from its
   shard is gathered with the others of its (mesh axis, dtype, layer) in one call, its
   adjoint one reduce-scatter; a group whose gathered weights an op keeps for backward is
@@ -51,7 +51,7 @@ from passes.trace import TracedModel
 from plans.buckets import ddp_buckets, open_buckets
 from plans.ledger import CommEntry, sent
 from plans.mesh import MeshSpec
-from plans.placement import Layout, Replicate, Shard
+from plans.placement import Layout, Replicate, Shard, zero_axes
 from plans.plan import Estimate, ParamPlan, Plan
 from plans.reshard import AxisStep, plan_reshard
 
@@ -199,7 +199,7 @@ def step_ledger(traced: TracedModel, plan: Plan, *, batch_scale: float = 1.0) ->
     reshard_entries(ledger, traced, plan, reshards, walk.cast)
     order = param_order(traced)
     gradient_sync_entries(order, plan, ledger)
-    zero_entries(order, plan, ledger)
+    zero_entries(order, plan, ledger, walk.cast)
     return ledger.entries
 
 
@@ -269,7 +269,7 @@ class Walk:
 
     def _outputs(self, node: torch.fx.Node) -> None:
         """Outputs are made whole; the all-reduces that end an output's reshard skip their
-        adjoint (``runtime.output_boundary``)."""
+        adjoint (``passes.rewrites.output_boundary``)."""
         whole = Layout.replicated(self.mesh.ndim)
         for value in _flat_nodes(node.args[0]):
             if not isinstance(value.meta.get("val"), torch.Tensor):
@@ -400,10 +400,7 @@ def _fsdp_groups(
 
 def _is_zero(param: ParamPlan, mesh_shape: tuple[int, ...]) -> bool:
     """ZeRO-1/2: the optimizer state sharded beyond the parameter on some axis."""
-    return any(
-        isinstance(p, Replicate) and isinstance(o, Shard) and size > 1
-        for p, o, size in zip(param.param, param.optimizer, mesh_shape, strict=True)
-    )
+    return bool(zero_axes(param.param, param.optimizer, mesh_shape))
 
 
 def _wire_dtype(plan: Plan, dtype: str) -> str:
@@ -427,6 +424,13 @@ def param_order(traced: TracedModel) -> list[str]:
 def stored_dtype(plan: Plan, param: ParamPlan) -> str:
     """The dtype a parameter (and its gradient) is held in on the device."""
     return "bfloat16" if plan.precision == "bf16" and param.dtype == "float32" else param.dtype
+
+
+def working_dtype(plan: Plan, param: ParamPlan, cast: bool) -> str:
+    """The dtype of a ZeRO parameter's working copy (``runtime.zero``): the compute dtype
+    under mixed precision when ``cast``, else as stored."""
+    stored = stored_dtype(plan, param)
+    return _wire_dtype(plan, stored) if cast else stored
 
 
 def gradient_sync_entries(
@@ -477,57 +481,59 @@ def gradient_sync_entries(
 
 
 def zero_entries(
-    order: list[str], plan: Plan, ledger: Ledger, part_of: Mapping[str, int] | None = None
+    order: list[str],
+    plan: Plan,
+    ledger: Ledger,
+    cast: frozenset[str],
+    part_of: Mapping[str, int] | None = None,
 ) -> None:
-    """ZeRO-1/2's buckets (``runtime.zero``, filled by stored bytes): the gradient sum, in
-    the compute dtype under mixed precision, over the other replicated axes (all-reduce) and
-    the ZeRO axes (reduce-scatter; ZeRO-2: in every microbatch's backward; ZeRO-1: once per
-    step, in the last), and the fp32 masters gathered back before the next forward."""
+    """ZeRO-1/2's buckets (``runtime.zero``, filled by the working copies' bytes): the
+    gradient sum, in the compute dtype under mixed precision, over the other replicated axes
+    (all-reduce) and the ZeRO axes (reduce-scatter; ZeRO-2: in every microbatch's backward;
+    ZeRO-1: once per step, in the last), and the masters gathered back before the next
+    forward, in the working copy's dtype: the compute dtype under mixed precision for
+    ``cast`` (parameters only matmuls read, ``passes.mixed_precision``)."""
     mesh_shape = ledger.cost.mesh.shape
     parts = part_of or {}
     members = []
     for name in order:
         param = plan.params[name]
-        if not _is_zero(param, mesh_shape):
+        found = zero_axes(param.param, param.optimizer, mesh_shape)
+        if not found:
             continue
-        found = [
-            (a, o.dim)
-            for a, (p, o) in enumerate(zip(param.param, param.optimizer, strict=True))
-            if isinstance(p, Replicate) and isinstance(o, Shard) and mesh_shape[a] > 1
-        ]
-        zero_axes = tuple(a for a, _ in found)
+        axes = tuple(a for a, _ in found)
         others = tuple(
             a
             for a, p in enumerate(param.param)
-            if isinstance(p, Replicate) and mesh_shape[a] > 1 and a not in zero_axes
+            if isinstance(p, Replicate) and mesh_shape[a] > 1 and a not in axes
         )
         local = list(param.param.local_shape(param.shape, mesh_shape))
         even = True
         for axis, dim in found:
             even = even and local[dim] % mesh_shape[axis] == 0
             local[dim] //= mesh_shape[axis]
-        stored, stage2 = stored_dtype(plan, param), param.grad != param.param
+        working, stage2 = working_dtype(plan, param, name in cast), param.grad != param.param
         numel = _local_numel(param, mesh_shape)
-        key = (parts.get(name, 0), zero_axes, others, stage2, stored) if even else None
-        members.append((key, numel * itemsize(stored), numel, zero_axes, others, stage2, stored))
+        key = (parts.get(name, 0), axes, others, stage2, working) if even else None
+        members.append((key, numel * itemsize(working), numel, axes, others, stage2, working))
     for number, bucket in enumerate(open_buckets([(m[0], m[1]) for m in members])):
-        _, _, _, zero_axes, others, stage2, stored = members[bucket[0]]
+        _, _, _, axes, others, stage2, working = members[bucket[0]]
         numel = sum(members[i][2] for i in bucket)
         what = f"ZeRO-{2 if stage2 else 1}: bucket {number}, {len(bucket)} params"
-        wire = _wire_dtype(plan, stored)
+        wire = _wire_dtype(plan, working)
         size = float(numel * itemsize(wire))
-        sums = [("all_reduce", a) for a in others] + [("reduce_scatter", a) for a in zero_axes]
+        sums = [("all_reduce", a) for a in others] + [("reduce_scatter", a) for a in axes]
         for kind, axis in sums:
             ledger.add(
                 kind, axis, wire, size, "backward", what, per_step=not stage2, overlap="backward"
             )
             if kind == "reduce_scatter":
                 size /= mesh_shape[axis]
-        gathered = numel * itemsize(stored) / math.prod(mesh_shape[a] for a in zero_axes)
-        for axis in reversed(zero_axes):
+        gathered = numel * itemsize(working) / math.prod(mesh_shape[a] for a in axes)
+        for axis in reversed(axes):
             gathered *= mesh_shape[axis]
             ledger.add(
-                "all_gather", axis, stored, gathered, "step", f"{what}, masters", per_step=True
+                "all_gather", axis, working, gathered, "step", f"{what}, masters", per_step=True
             )
 
 

@@ -52,6 +52,13 @@ def cast_for_gather(traced: TracedModel, precision: str) -> frozenset[str]:
     return frozenset(found)
 
 
+def working_cast_nodes(traced: TracedModel, precision: str) -> frozenset[str]:
+    """``cast_for_gather``'s parameters by their placeholders (``CostModel.working_cast``):
+    under ZeRO their working copies are held in the compute dtype."""
+    cast = cast_for_gather(traced, precision)
+    return frozenset(node for name in cast for node in traced.params[name].nodes)
+
+
 def autocast_dtypes(traced: TracedModel, precision: str) -> dict[str, str]:
     """Each node's output dtype when the model runs under the autocast of ``precision``
     (empty unless mixed precision): one run of the traced graph on fake tensors, so a

@@ -161,7 +161,7 @@ def _node_costs(
             note = choices.note
             assert note is not None
             if choices.kind == "param":
-                pc = cost.param_cost(note.outputs[0], strategy.outputs[0])
+                pc = cost.param_cost(note.outputs[0], strategy.outputs[0], node_name)
                 old = parts.model_states[name][k]
                 parts.model_states[name][k] = (
                     old[0] + times * pc.params,

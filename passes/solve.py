@@ -28,6 +28,7 @@ from passes.costs import CostModel, gradient_bytes, sync_buckets
 from passes.decisions import Decisions, group_decisions
 from passes.ilp import IlpProblem, dominates, solve_ilp
 from passes.layer_sharing import layer_representatives
+from passes.mixed_precision import working_cast_nodes
 from passes.problem import ProblemParts, build_problem, unmerged_size
 from passes.recompute import (
     RecomputeHint,
@@ -228,6 +229,8 @@ def _solve(
     grads = [(info.shape, held) for info in traced.params.values()]
     bucket = min(BUCKET_BYTES * summed / held, max(gradient_bytes(grads) * summed / held, 1.0))
 
+    working_cast = working_cast_nodes(traced, request.precision)
+
     def build(zero: int, limit: float | None) -> Built:
         cost = CostModel(
             mesh_cost,
@@ -236,6 +239,7 @@ def _solve(
             zero,
             batch_scale=request.batch_scale,
             bucket_bytes=bucket,
+            working_cast=working_cast,
         )
         parts = build_problem(
             decisions, cost, representatives, limit, allowed, request.microbatches

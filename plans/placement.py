@@ -300,3 +300,13 @@ def format_spec(layout: Layout, axis_names: Sequence[str], ndim: int) -> str:
     if partial:
         text += " partial(" + ",".join(partial) + ")"
     return text
+
+
+def zero_axes(param: Layout, optimizer: Layout, mesh_shape: Sequence[int]) -> list[tuple[int, int]]:
+    """ZeRO-1/2: ``(mesh axis, dim)`` for each axis that replicates a parameter but shards
+    its optimizer state along ``dim`` (empty for every other parameter)."""
+    return [
+        (axis, o.dim)
+        for axis, (p, o) in enumerate(zip(param, optimizer, strict=True))
+        if isinstance(p, Replicate) and isinstance(o, Shard) and mesh_shape[axis] > 1
+    ]

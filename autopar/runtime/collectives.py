@@ -15,7 +15,7 @@ AllToAll(src, dst)  Shard(src) -> (dst)  all-to-all back
 At the module's outputs every device receives the same gradient (``passes.lower_spmd``, the
 output boundary), so an all-reduce there may skip its adjoint (``AllReduce(adjoint=False)``:
 the gradient passes through, and the n equal summands the adjoint would add are counted
-in the boundary's scale instead; ``runtime.output_boundary``).
+in the boundary's scale instead; ``passes.rewrites.output_boundary``).
 
 gloo has no reduce-scatter, and its all-to-all wants lists; on gloo both are built from
 the collectives it has (all-reduce then a local slice; all-gather then a local slice). They

@@ -54,14 +54,11 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils import _pytree as pytree
 
 from autopar.runtime import checkpoint
-from autopar.runtime.aligned_linear import align_linears
 from autopar.runtime.collectives import MODULES
 from autopar.runtime.comm import AxisGroup, Call, CommLog
-from autopar.runtime.fused_projection import fuse_projections
 from autopar.runtime.grad_sync import GradientSync
 from autopar.runtime.groups import axis_groups
 from autopar.runtime.memory_savers import install as install_memory_savers
-from autopar.runtime.output_boundary import skip_output_adjoints
 from autopar.runtime.pipeline import (
     Loss,
     PipelineRunner,
@@ -71,7 +68,7 @@ from autopar.runtime.pipeline import (
 )
 from autopar.runtime.precision import run_precision
 from autopar.runtime.shards import gather_full, local_slices
-from autopar.runtime.zero import ZeroParam, ZeroShards, master_piece, zero_axes
+from autopar.runtime.zero import ZeroParam, ZeroShards, master_piece
 from passes.from_plan import PlanLayouts
 from passes.lower_spmd import LoweredGraph, local_shard, lower_spmd
 from passes.lower_stages import (
@@ -81,14 +78,14 @@ from passes.lower_stages import (
     local_parts,
     locate,
     pipeline_mesh_spec,
-    split_stages,
 )
 from passes.lower_stages import stage_mesh as plan_stage_mesh
 from passes.mixed_precision import cast_for_gather
+from passes.rewrites import RankProgram, rewrite_rank, working_copy_path
 from passes.trace import TracedModel
 from plans.errors import UsageError
 from plans.ledger import CommCount, CommKey
-from plans.placement import Layout, Replicate
+from plans.placement import Layout, Replicate, zero_axes
 from plans.plan import Plan
 
 InputMode = Literal["global", "local"]
@@ -187,24 +184,27 @@ class CompiledModel(nn.Module):
             device,
             sharded_outputs=outputs == "sharded",
         )
-        # every rank receives the same gradient at the outputs: no all-reduce of it there
-        skip_output_adjoints(whole, self.mesh.shape)
-        self._stage_programs: list[StageProgram] = []
+        rank_program = RankProgram(
+            traced,
+            plan,
+            whole,
+            self.mesh.shape,
+            device.type,
+            stages=tuple(place.stages) if self.pipelined else (),
+        )
+        # the rewrites of the rank's program, in order (``passes.rewrites``)
+        self.rewrites = rewrite_rank(rank_program)
+        graphs = rank_program.graphs
+        self._stage_programs: list[StageProgram] = rank_program.own_programs
         if self.pipelined:
-            programs = split_stages(traced, whole, plan)
-            self._stage_programs = [programs[c] for c in place.stages]
+            programs = rank_program.programs
             lowered = _held(whole, self._stage_programs)
-            graphs = [program.graph for program in self._stage_programs]
             self._holders = holders(programs, plan.parallelism.pp)
             self._buffer_holders = _buffer_holders(programs, plan.parallelism.pp)
             self._part_of = local_parts(self._stage_programs)
         else:
-            lowered, graphs = whole, [whole.graph]
+            lowered = whole
             self._part_of = {}
-        for graph in graphs:  # an exposed projection as one matmul with its bias, as eager
-            fuse_projections(graph)
-            if device.type == "cuda":  # 16-bit matmuls with unaligned rows run padded
-                align_linears(graph)
         self.lowered: LoweredGraph = lowered
         self._out_spec = traced.exported.call_spec.out_spec
         # name -> (the user's shape, the planned shape), for parameters planned reshaped
@@ -225,7 +225,10 @@ class CompiledModel(nn.Module):
             else axis_groups(self.mesh, self._comm)
         )
         zero: list[ZeroParam] = []
-        tree = self._build_tree(model, traced, whole, zero, graphs)
+        # under mixed precision the parameters only matmuls read: gathered (FSDP) and held
+        # as ZeRO's working copies in the compute dtype (``passes.mixed_precision``)
+        self._cast = cast_for_gather(traced, plan.precision)
+        tree = self._build_tree(model, traced, whole, zero)
         self._zero = ZeroShards(zero, reduce_dtype=self.precision.compute)
         name = type(model).__name__
         modules = []
@@ -241,7 +244,7 @@ class CompiledModel(nn.Module):
             modules,
             [p.working for p in zero],
             _param_layers(traced, self.lowered),
-            cast_for_gather(traced, plan.precision),
+            self._cast,
         )
         object.__setattr__(self, "program", modules[0])  # not a child: it shares our tree
         object.__setattr__(self, "stage_modules", modules)
@@ -323,7 +326,6 @@ class CompiledModel(nn.Module):
         traced: TracedModel,
         whole: LoweredGraph,
         zero: list[ZeroParam],
-        graphs: list[torch.fx.Graph],
     ) -> nn.Module:
         """The holder tree: local shards, buffers, constants and collectives at their paths.
 
@@ -347,7 +349,7 @@ class CompiledModel(nn.Module):
             local = local_shard(full, self.plan.params[name].param, self.coords, mesh.shape)
             if cast is not None and local.is_floating_point():
                 local = local.to(cast)
-            placed = self._zero_param(name, target, local, graphs, tree)
+            placed = self._zero_param(name, target, local, tree)
             if placed is not None:
                 zero.append(placed)
                 continue
@@ -371,7 +373,6 @@ class CompiledModel(nn.Module):
         name: str,
         target: str,
         local: torch.Tensor,
-        graphs: list[torch.fx.Graph],
         tree: nn.Module,
     ) -> ZeroParam | None:
         """Place a ZeRO-1/2 parameter: its master piece at ``target`` (what the optimizer
@@ -386,13 +387,10 @@ class CompiledModel(nn.Module):
         sizes = tuple(mesh_shape[axis] for axis in axes)
         master = nn.Parameter(master_piece(local, dims, coords, sizes).clone())
         _set_attr(tree, target, master, "param")
-        working = local.clone().requires_grad_(True)
-        working_path = "_zero_working." + target.replace(".", "__")
-        _set_attr(tree, working_path, working, "constant")
-        for graph in graphs:
-            for node in graph.nodes:
-                if node.op == "get_attr" and node.target == target:
-                    node.target = working_path
+        cast = self.precision.compute if name in self._cast else None
+        working = local.to(cast or local.dtype, copy=True).requires_grad_(True)
+        # the graphs read it there (``passes.rewrites``: read_working_copies)
+        _set_attr(tree, working_copy_path(target), working, "constant")
         groups = self._sync_axis_groups
         others = tuple(
             groups[axis]  # type: ignore[misc]

@@ -7,7 +7,11 @@ must only ever see this device's piece. So, as DeepSpeed's ZeRO does:
 - the ``nn.Parameter`` the optimizer steps is the *master* piece: the device's local
   parameter, cut further along the ZeRO dims over the ZeRO axes;
 - the lowered graph reads a *working* copy in the parameter's own layout, all-gathered from
-  the masters before a forward whenever a master changed (after an optimizer step);
+  the masters before a forward whenever a master changed (after an optimizer step). Under
+  mixed precision a parameter that only matmuls read (``passes.mixed_precision``) has its
+  working copy, and so its working gradient, in the compute dtype: the values autocast
+  would cast it to, half the bytes held and gathered (DeepSpeed's 16-bit working weights
+  beside fp32 masters; FSDP2's ``param_dtype``);
 - after backward, the working copy's gradient (a summand over the replicated axes) is
   summed: over the other replicated axes by all-reduce, over the ZeRO axes by
   reduce-scatter straight into the master's piece.
@@ -44,7 +48,6 @@ from autopar.runtime.collectives import start_reduce_scatter_rows, unflatten
 from autopar.runtime.comm import AxisGroup
 from autopar.runtime.param_groups import gather_group, reduce_scatter_group, scatter_rows
 from plans.buckets import open_buckets
-from plans.placement import Layout, Replicate, Shard
 
 
 @dataclass
@@ -64,17 +67,6 @@ class ZeroParam:
     # the pipeline stage (of this rank's) whose backward makes its gradient: buckets keep
     # to one, so each is summed in its own stage's backward
     part: int = 0
-
-
-def zero_axes(
-    param: Layout, optimizer: Layout, mesh_shape: tuple[int, ...]
-) -> list[tuple[int, int]]:
-    """(mesh axis, dim) for each axis that replicates the parameter but shards its state."""
-    found = []
-    for axis, (p, o) in enumerate(zip(param, optimizer, strict=True)):
-        if isinstance(p, Replicate) and isinstance(o, Shard) and mesh_shape[axis] > 1:
-            found.append((axis, o.dim))
-    return found
 
 
 def master_piece(
@@ -114,8 +106,12 @@ class _Bucket:
         return self.params[0]
 
     def gather(self) -> list[torch.Tensor]:
-        """Every master gathered back to its local parameter's shape."""
-        return _gather_back(self.params, [p.master.detach() for p in self.params])
+        """Every master gathered back to its local parameter's shape, in its working copy's
+        dtype (the compute dtype under mixed precision for a matmul's weight: half the bytes
+        on the wire, as FSDP2 gathers in its ``param_dtype``)."""
+        return _gather_back(
+            self.params, [p.master.detach().to(p.working.dtype) for p in self.params]
+        )
 
     def start(self) -> None:
         """Launch the first collective of the sum over the first ZeRO axis, not waiting;
@@ -310,8 +306,13 @@ class ZeroShards:
             p.master.copy_(master_piece(local, p.dims, p.coords, sizes))
 
     def local_value(self, name: str) -> torch.Tensor:
+        """The parameter's local value at full precision: its working copy, or the masters
+        gathered where the working copy is cast."""
+        p = self.params[name]
+        if p.working.dtype != p.master.dtype:
+            return self.whole(p, p.master.detach())
         self.gather()
-        return self.params[name].working.detach()
+        return p.working.detach()
 
     def local_grad(self, name: str) -> torch.Tensor | None:
         p = self.params[name]

@@ -37,6 +37,8 @@ class Part:
     gather_s: float = 0.0
     activations: float = 0.0  # saved bytes, one microbatch
     states: float = 0.0  # parameters + gradients + optimizer states
+    # the three apart, as ``plans.MemoryBreakdown`` reports them: (params, grads, optimizer)
+    state_terms: tuple[float, float, float] = (0.0, 0.0, 0.0)
     sync_s: float = 0.0  # gradient synchronisation, one pass (``CostModel.sync_passes``)
     step_s: float = 0.0  # after the optimizer step: ZeRO's gathers of the masters
     boundary_bytes: float = 0.0  # what the part hands to the next, per device
@@ -93,7 +95,7 @@ def layer_costs(
             .meta[META_KEY]
             .outputs[0]
         )
-        param = cost.param_cost(tensor, layout)
+        param = cost.param_cost(tensor, layout, info.nodes[0])
         if pre in owners and post in owners:
             tied += (
                 tensor.numel * cost.stored_itemsize(tensor) / layout.shard_factor(cost.mesh_shape)
@@ -103,6 +105,12 @@ def layer_costs(
                 continue
             part.params[info.name] = param.memory
             part.states += param.memory
+            held = part.state_terms
+            part.state_terms = (
+                held[0] + param.params,
+                held[1] + param.grads,
+                held[2] + param.optimizer,
+            )
             part.sync_s += param.sync_s
             part.step_s += param.step_s
     decisions = solved.decisions

@@ -115,7 +115,7 @@ class _PipelineLedger:
             gradient_sync_entries(in_backward, self.plan, ledger, part_of)
             after = [name for name in held if part_of[name] < 0]
             gradient_sync_entries(after, self.plan, ledger, part_of, in_backward=False)
-            zero_entries(held, self.plan, ledger, part_of)
+            zero_entries(held, self.plan, ledger, self.walk.cast, part_of)
             for name in sorted(n for n in held if len(shared.get(n, ())) > 1):
                 self._tied_sum(ledger, name, len(shared[name]))
             self._step_p2p(ledger, "broadcast", LOSS_DTYPE, 4.0, "the loss, from the last stage")

@@ -120,6 +120,8 @@ class Candidate:
     bubble_s: float
     sync_s: float
     source: Source
+    # each stage's states apart, (params, grads, optimizer); empty without a pipeline
+    stage_state_terms: tuple[tuple[float, float, float], ...] = ()
 
     def describe(self) -> Parallelism:
         return Parallelism(
@@ -573,6 +575,10 @@ def _evaluate(
     )
     step = pipeline + exposed
     forwards = _stage_values(costs, cut, p, chunks, lambda part: part.forward_s * scale)
+    terms = [
+        _stage_values(costs, cut, p, chunks, lambda part, i=i: part.state_terms[i])  # type: ignore[misc]
+        for i in range(3)
+    ]
     return Candidate(
         p,
         schedule,
@@ -592,6 +598,7 @@ def _evaluate(
         pipeline - m * max(cut.stage_times),
         max(syncs),
         source,
+        tuple(zip(*terms, strict=True)),
     )
 
 
@@ -813,35 +820,37 @@ def _estimate(base: Plan, best: Candidate, mesh: MeshSpec, traced_batch: int) ->
     worst = max(
         range(len(best.stage_times)), key=lambda s: best.stage_states[s] + best.stage_activations[s]
     )
-    states = best.stage_states[worst]
-    known = old.memory_per_device_bytes
-    share = states / max(known.params + known.grads + known.optimizer, 1.0)
-    memory = MemoryBreakdown(
-        params=known.params * share,
-        grads=known.grads * share,
-        optimizer=known.optimizer * share,
-        activations=best.stage_activations[worst],
-        total=states + best.stage_activations[worst],
-    )
-    per_stage = (
-        tuple(
-            StageEstimate(
-                stage=s,
-                forward_s=best.stage_forward[s],
-                backward_s=max(
-                    best.stage_times[s] - best.stage_forward[s] - best.stage_handoffs[s], 0.0
-                ),
-                handoff_s=best.stage_handoffs[s],
-                memory_per_device_bytes=MemoryBreakdown(
-                    activations=best.stage_activations[s],
-                    total=best.stage_states[s] + best.stage_activations[s],
-                ),
-            )
-            for s in range(len(best.stage_times))
+    per_stage = tuple(
+        StageEstimate(
+            stage=s,
+            forward_s=best.stage_forward[s],
+            backward_s=max(
+                best.stage_times[s] - best.stage_forward[s] - best.stage_handoffs[s], 0.0
+            ),
+            handoff_s=best.stage_handoffs[s],
+            memory_per_device_bytes=MemoryBreakdown(
+                params=terms[0],
+                grads=terms[1],
+                optimizer=terms[2],
+                activations=best.stage_activations[s],
+                total=best.stage_states[s] + best.stage_activations[s],
+            ),
         )
-        if best.stages > 1
-        else ()
+        for s, terms in enumerate(best.stage_state_terms)
     )
+    if per_stage:
+        memory = per_stage[worst].memory_per_device_bytes
+    else:  # no pipeline: the base plan's split of the candidate's states
+        states = best.stage_states[0]
+        known = old.memory_per_device_bytes
+        share = states / max(known.params + known.grads + known.optimizer, 1.0)
+        memory = MemoryBreakdown(
+            params=known.params * share,
+            grads=known.grads * share,
+            optimizer=known.optimizer * share,
+            activations=best.stage_activations[0],
+            total=states + best.stage_activations[0],
+        )
     peak = peak_flops(best.solved.cost.mesh_cost.preset, best.solved.cost.compute_dtype) or 1.0
     compute = (
         best.microbatches * max(best.stage_times) if best.stages > 1 else old.compute_s * scale

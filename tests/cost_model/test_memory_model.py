@@ -31,10 +31,14 @@ def zero_stage_layouts(stage: int) -> tuple[Layout, Layout, Layout]:
     )
 
 
-@pytest.mark.parametrize(("stage", "expected_gb"), [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+@pytest.mark.parametrize(
+    ("stage", "expected_gb"), [(0, 120.0), (1, 31.4), (2, 16.6 + 2 * 7.5 / 64), (3, 1.9)]
+)
 def test_zero_table_falls_out_of_layouts(stage, expected_gb):
     # Rajbhandari et al. 2019 (ZeRO), Figure 1 / Table 1: Psi = 7.5B, N_d = 64, mixed-precision
-    # Adam with K = 12: 120 GB (DP), 31.4 (P_os), 16.6 (P_os+g), 1.9 (P_os+g+p).
+    # Adam with K = 12: 120 GB (DP), 31.4 (P_os), 16.6 (P_os+g), 1.9 (P_os+g+p). ZeRO-2's
+    # gradient piece is fp32 here (runtime.zero: torch steps the fp32 master with a gradient
+    # of its own dtype), 2 Psi / N_d more than the paper's 16-bit partition.
     mesh = MeshSpec((64,), ("dp",))
     param, grad, optimizer = zero_stage_layouts(stage)
     # 7.5B parameters in two tensors whose dim 0 splits evenly over the 64 devices
@@ -57,18 +61,38 @@ def test_zero_with_plan_param_entries():
         optimizer=Layout(Shard(0)),
     )
     memory = model_state_memory([plan], mesh, optimizer="adamw", precision="fp16_mixed")
-    assert memory.params == pytest.approx(2 * 7.5e9 / 64)
-    assert memory.optimizer == pytest.approx(12 * 7.5e9 / 64)
+    # as FSDP2's MixedPrecisionPolicy: the sharded fp32 parameter is the master, its gradient
+    # fp32; the 16-bit copies are gathered for the layer running
+    assert memory.params == pytest.approx(4 * 7.5e9 / 64)
+    assert memory.grads == pytest.approx(4 * 7.5e9 / 64)
+    assert memory.optimizer == pytest.approx(8 * 7.5e9 / 64)
 
 
 def test_bytes_per_parameter_by_optimizer_and_precision():
     n = 1000
-    assert param_state_bytes((n,), "adam", "bf16_mixed") == (2 * n, 2 * n, 12 * n)  # K = 12
+    # the fp32 parameter is its own master under autocast
+    assert param_state_bytes((n,), "adam", "bf16_mixed") == (4 * n, 4 * n, 8 * n)
     assert param_state_bytes((n,), "adamw", "fp32") == (4 * n, 4 * n, 8 * n)
     assert param_state_bytes((n,), "adam", "bf16") == (2 * n, 2 * n, 4 * n)
     assert param_state_bytes((n,), "sgd", "fp32") == (4 * n, 4 * n, 0)
-    assert param_state_bytes((n,), "sgd", "bf16_mixed") == (2 * n, 2 * n, 4 * n)  # master only
+    assert param_state_bytes((n,), "sgd", "bf16_mixed") == (4 * n, 4 * n, 0)
     assert param_state_bytes((n,), "sgd_momentum", "fp32") == (4 * n, 4 * n, 4 * n)
+
+
+def test_zero_holds_a_working_copy_and_a_master_piece():
+    n = 1000
+    # ZeRO's K = 12: a bf16 working copy and gradient, the fp32 master beside Adam's moments
+    zero1 = param_state_bytes((n,), "adam", "bf16_mixed", zero=1, working_cast=True)
+    assert zero1 == (2 * n, 2 * n, 12 * n)
+    # ZeRO-2's gradient lands in the master's fp32 piece
+    zero2 = param_state_bytes((n,), "adam", "bf16_mixed", zero=2, working_cast=True)
+    assert zero2 == (2 * n, 4 * n, 12 * n)
+    # a norm's weight or an embedding keeps an fp32 working copy (autocast reads it in fp32)
+    kept = param_state_bytes((n,), "adam", "bf16_mixed", zero=1, working_cast=False)
+    assert kept == (4 * n, 4 * n, 12 * n)
+    # fp32 holds the master piece beside the whole working copy; pure bf16 all in 16 bits
+    assert param_state_bytes((n,), "adam", "fp32", zero=1) == (4 * n, 4 * n, 12 * n)
+    assert param_state_bytes((n,), "sgd", "bf16", zero=2) == (2 * n, 2 * n, 2 * n)
 
 
 def test_adafactor_keeps_row_and_column_factors():
@@ -99,7 +123,8 @@ def test_tensor_parallel_and_data_parallel_layouts_divide_separately():
     numel = 1024 * 1024
     assert memory.params == 4 * numel / 4
     assert memory.grads == 4 * numel / 4
-    assert memory.optimizer == 8 * numel / 8
+    # ZeRO-1 over dp: the fp32 master piece beside Adam's moments, split 8 ways
+    assert memory.optimizer == (4 + 8) * numel / 8
 
 
 def test_saved_activations_divide_by_their_layouts():

@@ -22,6 +22,33 @@ def _nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+class HeldGradients:
+    """The most gradient bytes a rank holds at the end of a backward, over a step: measured
+    once the runtime's own end-of-backward work (gradient sync, ZeRO's sums, which free
+    working gradients) is done, since their callbacks were queued first."""
+
+    def __init__(self, compiled: Any) -> None:
+        zero = list(compiled._zero.params.values())
+        masters = {id(z.master) for z in zero}
+        self.tensors = [p for p in compiled.parameters() if id(p) not in masters]
+        self.tensors += [z.master for z in zero] + [z.working for z in zero]
+        self.most = 0
+        self._queued = False
+        for t in self.tensors:
+            if t.requires_grad:
+                t.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _on_grad(self, _: torch.Tensor) -> None:
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._measure)
+            self._queued = True
+
+    def _measure(self) -> None:
+        self._queued = False
+        held = _nbytes(t.grad for t in self.tensors if t.grad is not None)
+        self.most = max(self.most, held)
+
+
 def logits_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of the logits (a mixture of experts returns them first in a tuple)."""
     return cross_entropy(output[0] if isinstance(output, tuple) else output, target)
@@ -62,11 +89,13 @@ def observed_and_planned(
         compiled.train_step(batch, batch)
         optimizer.step()
         raw: Counter[str] = Counter()
+        held_grads = HeldGradients(compiled)
         with counting(raw):  # the second step: ZeRO gathers the masters the first stepped
             optimizer.zero_grad()
             compiled.train_step(batch, batch)
-            grads = _nbytes(p.grad for p in compiled.parameters() if p.grad is not None)
             optimizer.step()
+        zero = compiled._zero.params.values()
+        masters = {id(z.master) for z in zero}
         plan = compiled.plan
         stage = compiled.stage
         results.append(
@@ -75,18 +104,26 @@ def observed_and_planned(
                 "parallelism": str(plan.parallelism),
                 "observed": compiled.observed_collectives(),
                 "torch_calls": sum(raw.values()),
+                # as the plan's memory counts them: what the forward reads (ZeRO's working
+                # copies), gradients at the end of a backward, and what the optimizer
+                # keeps (ZeRO's master pieces besides AdamW's moments)
                 "held": {
-                    "params": _nbytes(compiled.parameters()),
-                    "working": _nbytes(z.working for z in compiled._zero.params.values()),
-                    "grads": grads,
-                    "optimizer": _nbytes(
+                    "params": _nbytes(p for p in compiled.parameters() if id(p) not in masters)
+                    + _nbytes(z.working for z in zero),
+                    "grads": held_grads.most,
+                    "optimizer": _nbytes(z.master for z in zero)
+                    + _nbytes(
                         t
                         for state in optimizer.state.values()
                         for t in state.values()
                         if torch.is_tensor(t) and t.dim() > 0  # not Adam's step count
                     ),
                 },
-                "memory": plan.estimate.memory_per_device_bytes.model_dump(),
+                "memory": (
+                    plan.estimate.stages[stage].memory_per_device_bytes
+                    if plan.estimate.stages
+                    else plan.estimate.memory_per_device_bytes
+                ).model_dump(),
                 # a pipeline's ledger has every stage's entries: this rank's stage's
                 "planned": tally_entries(e for e in plan.estimate.comm if e.stage == stage),
                 "calls": [

@@ -1,4 +1,4 @@
-"""An exposed projection runs as one matmul with its bias (``runtime.fused_projection``).
+"""An exposed projection runs as one matmul with its bias (``passes.rewrites.fused_projection``).
 
 The planner sees GPT's q/k/v projection as an einsum over ``[3, C, Cin]`` plus a bias add
 (``passes.expose``); each rank runs it as eager does, so a compiled step on one rank
@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
-from autopar.runtime.fused_projection import fuse_projections, projection
 from autopar.testing.ranks import run_ranks
 from examples.models import build
+from passes.rewrites.fused_projection import fuse_projections, projection
 
 aten = torch.ops.aten
 

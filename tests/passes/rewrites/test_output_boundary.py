@@ -1,5 +1,5 @@
 """The output boundary's all-reduce skips its adjoint and is not waited for in forward
-(``runtime.output_boundary``, ``runtime.pending``).
+(``passes.rewrites.output_boundary``, ``runtime.pending``).
 
 A data-parallel step with the loss inside the module runs, as DDP does, no collective in
 backward but the gradient buckets; the one scalar all-reduce left is the loss's in forward
@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import autopar
-from autopar.runtime.output_boundary import skip_output_adjoints
 from autopar.testing.ranks import run_ranks
 from examples.models import build
 from passes.local_ops import scale_grad
 from passes.lower_spmd import LoweredGraph
+from passes.rewrites.output_boundary import skip_output_adjoints
 from tests.autopar.runtime.collective_counts import counting
 
 
