@@ -201,7 +201,9 @@ def model_state_memory(
         zero = 0
         if p.optimizer.shard_factor(mesh_shape) > param_shards:
             zero = 2 if p.grad.shard_factor(mesh_shape) > param_shards else 1
-        sizes = param_state_bytes(p.shape, optimizer, precision, zero=zero, working_cast=working_cast)
+        sizes = param_state_bytes(
+            p.shape, optimizer, precision, zero=zero, working_cast=working_cast
+        )
         for i, (nbytes, layout) in enumerate(
             zip(sizes, (p.param, p.grad, p.optimizer), strict=True)
         ):

@@ -30,6 +30,7 @@ from cost_model.collectives import MeshCost
 from cost_model.compute import op_time
 from cost_model.memory import param_state_bytes, precision_policy
 from passes.annotation import NodeAnnotation, TensorInfo, dtype_itemsize
+from passes.mixed_precision import AutocastSaved
 from passes.strategies.types import Strategy
 from plans.buckets import BUCKET_BYTES, ddp_buckets
 from plans.placement import PARTIAL, REPLICATE, Layout, Partial, Replicate, Shard
@@ -80,6 +81,9 @@ class CostModel:
     # parameter placeholders whose ZeRO working copy is in the compute dtype (mixed
     # precision: those only matmuls read, ``passes.mixed_precision.cast_for_gather``)
     working_cast: frozenset[str] = frozenset()
+    # what autograd keeps under the mixed precision's autocast (None: the traced dtypes, fp32
+    # scaled to the compute dtype); ``passes.mixed_precision.autocast_saved``
+    autocast_saved: AutocastSaved | None = None
     _edge_cache: dict[object, tuple[float, float]] = field(
         default_factory=dict, repr=False, compare=False
     )
@@ -128,14 +132,25 @@ class CostModel:
         )
         return fwd, bwd
 
-    def saved_bytes(self, note: NodeAnnotation, strategy: Strategy, output: bool = True) -> float:
-        """Bytes per device that ``note``'s op keeps for backward under ``strategy``: its
-        output when ``output`` (split as the output is) and what the op keeps internally
-        (a norm's statistics, a loss's log-probabilities), split as the op's work is: a
-        loss's output is one replicated scalar, but its log-softmax is as large as its
-        logits, and shrinks as they are split."""
+    def saved_bytes(
+        self, note: NodeAnnotation, strategy: Strategy, output: bool = True, node: str = ""
+    ) -> float:
+        """Bytes per device that ``note``'s op (``node``) keeps for backward under
+        ``strategy``: its output when ``output`` (split as the output is) and what the op
+        keeps internally (a norm's statistics, a loss's log-probabilities), split as the
+        op's work is: a loss's output is one replicated scalar, but its log-softmax is as
+        large as its logits, and shrinks as they are split. Under autocast, what
+        ``autocast_saved`` found: the output in its autocast dtype and the 16-bit copies
+        consumers keep of it."""
         if not strategy.outputs:
             return 0.0
+        if self.autocast_saved is not None and node:
+            found = self.autocast_saved
+            kept = found.internal_bytes.get(node, 0) / max(strategy.split, 1)
+            if output:
+                held = found.output_bytes.get(node, 0) + found.cast_bytes.get(node, 0)
+                kept += held / strategy.outputs[0].shard_factor(self.mesh_shape)
+            return self.batch_scale * kept
         dtype = note.outputs[0].dtype if note.outputs else "float32"
         internal = note.internal_saved_bytes
         kept = self._bytes(dtype, internal) / max(strategy.split, 1)
@@ -152,9 +167,28 @@ class CostModel:
             / layout.shard_factor(self.mesh_shape)
         )
 
-    def activation_bytes(self, note: NodeAnnotation, strategy: Strategy) -> float:
-        """Saved-for-backward bytes per device of an op under ``strategy``."""
-        return self.saved_bytes(note, strategy) if note.saved_bytes else 0.0
+    def activation_bytes(self, note: NodeAnnotation, strategy: Strategy, node: str = "") -> float:
+        """Saved-for-backward bytes per device of an op (``node``) under ``strategy``."""
+        if self.autocast_saved is None and not note.saved_bytes:
+            return 0.0
+        return self.saved_bytes(note, strategy, node=node)
+
+    def weight_cast_bytes(self, info: TensorInfo, src: Layout, dst: Layout, param: str) -> float:
+        """Bytes per device of autocast's 16-bit copy of fp32 parameter ``param`` (stored in
+        ``src``) that an op reading it in ``dst`` keeps (``AutocastSaved.weight_casts``).
+        The runtime makes none where it holds the weight in the compute dtype already: a
+        parameter only matmuls read (``working_cast``) is gathered in it (FSDP) and held in
+        it as ZeRO's working copy; read as stored, it is the fp32 parameter, cast by
+        autocast."""
+        if param in self.working_cast:
+            gathered = any(isinstance(s, Shard) and s != d for s, d in zip(src, dst, strict=True))
+            zero_layout = zero_layout_of(src, info.shape, self.mesh_shape)
+            held_cast = self.zero and zero_layout.shard_factor(self.mesh_shape) > src.shard_factor(
+                self.mesh_shape
+            )
+            if gathered or held_cast:
+                return 0.0
+        return info.numel * self.compute_itemsize / dst.shard_factor(self.mesh_shape)
 
     def edge_time(
         self,

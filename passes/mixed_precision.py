@@ -13,9 +13,12 @@ ledger (``passes.ledger``) both ask this module.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from passes.annotation import META_KEY
 from passes.trace import TracedModel
@@ -107,3 +110,138 @@ def _on_cpu(values: dict[str, object]) -> Callable[[object], object]:
         return value
 
     return convert
+
+
+@dataclass(frozen=True)
+class AutocastSaved:
+    """What autograd keeps for backward when the model runs under a mixed precision's
+    autocast, per node of the trace, in bytes of the whole (unsharded) tensors.
+
+    The probe of each op (``passes.probe``) runs it in the traced dtypes; under autocast an
+    op of the lower-precision list keeps 16-bit *copies* of its fp32 inputs rather than the
+    inputs, and a norm's fp32 output stays fp32. One run of the whole graph on fake tensors
+    under autocast tells them apart:
+
+    - ``output_bytes``: a node's value, kept as it is (in its autocast dtype) by some op;
+    - ``cast_bytes``: the 16-bit copies of a node's value that its consumers keep (one per
+      consumer: autocast caches casts of parameters only);
+    - ``internal_bytes``: what an op keeps that is neither (statistics, masks);
+    - ``weight_casts``: (parameter, op) pairs where the op keeps autocast's 16-bit copy of
+      an fp32 parameter (``CostModel.weight_cast_bytes`` says when the runtime makes it).
+    """
+
+    output_bytes: dict[str, int] = field(default_factory=dict)
+    cast_bytes: dict[str, int] = field(default_factory=dict)
+    internal_bytes: dict[str, int] = field(default_factory=dict)
+    weight_casts: frozenset[tuple[str, str]] = frozenset()
+
+
+class _Casts(TorchDispatchMode):
+    """Records which value each ``_to_copy`` result is a copy of (by storage)."""
+
+    def __init__(self, owner: dict[int, str]) -> None:
+        super().__init__()
+        self.owner = owner
+        self.cast_of: dict[int, str] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
+            source = self.owner.get(_storage(args[0]), self.cast_of.get(_storage(args[0])))
+            if source is not None and isinstance(out, torch.Tensor):
+                self.cast_of[_storage(out)] = source
+        return out
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+def autocast_saved(traced: TracedModel, precision: str) -> AutocastSaved | None:
+    """What autograd keeps under ``precision``'s autocast (None unless mixed precision):
+    one forward of the traced graph on fake tensors, with ``saved_tensors_hooks``
+    classifying every kept tensor by its storage (CPU autocast's op lists, as
+    ``autocast_dtypes``)."""
+    compute = COMPUTE.get(precision)
+    if compute is None:
+        return None
+    owner: dict[int, str] = {}  # storage -> the node whose value it holds
+    params = {n for info in traced.params.values() for n in info.nodes}
+    live = {n.name for n in traced.graph.nodes if n.op == "placeholder"}  # kept anyway
+    values: dict[str, object] = {}
+    found = AutocastSaved()
+    weight_casts: set[tuple[str, str]] = set()
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake, torch.autocast("cpu", dtype=compute), _Casts(owner) as casts:
+        for node in traced.graph.nodes:
+            note = node.meta[META_KEY]
+            if node.op == "placeholder":
+                val = node.meta.get("val")
+                if isinstance(val, torch.Tensor):
+                    tensor = torch.empty(val.shape, dtype=val.dtype)
+                    if note.requires_grad and tensor.is_floating_point():
+                        tensor.requires_grad_(True)
+                    owner[_storage(tensor)] = node.name
+                    val = tensor
+                values[node.name] = val
+                continue
+            if node.op != "call_function" or not note.outputs:
+                continue
+            kept: list[torch.Tensor] = []
+
+            def pack(tensor: torch.Tensor, kept: list[torch.Tensor] = kept) -> torch.Tensor:
+                kept.append(tensor)
+                return tensor
+
+            args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), _on_cpu(values))
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                value = node.target(*args, **kwargs)  # type: ignore[operator]
+            values[node.name] = value
+            for out in pytree_tensors(value):
+                owner.setdefault(_storage(out), node.name)
+            _classify(node.name, kept, owner, casts.cast_of, (live, params), found, weight_casts)
+    return AutocastSaved(
+        found.output_bytes, found.cast_bytes, found.internal_bytes, frozenset(weight_casts)
+    )
+
+
+def _classify(
+    name: str,
+    kept: list[torch.Tensor],
+    owner: dict[int, str],
+    cast_of: dict[int, str],
+    placeholders: tuple[set[str], set[str]],
+    found: AutocastSaved,
+    weight_casts: set[tuple[str, str]],
+) -> None:
+    """Sort what op ``name`` kept into ``found`` (each storage once); ``placeholders``:
+    every placeholder (held anyway), and the parameters among them."""
+    live, params = placeholders
+    seen: set[int] = set()
+    for tensor in kept:
+        storage = _storage(tensor)
+        if storage in seen:
+            continue
+        seen.add(storage)
+        nbytes = tensor.untyped_storage().nbytes()
+        source = owner.get(storage)
+        if source is not None:
+            if source not in live and source not in found.output_bytes:
+                found.output_bytes[source] = nbytes
+            continue
+        source = cast_of.get(storage)
+        if source in params:
+            weight_casts.add((source, name))
+        elif source is not None and source not in live:
+            found.cast_bytes[source] = found.cast_bytes.get(source, 0) + nbytes
+        else:
+            found.internal_bytes[name] = found.internal_bytes.get(name, 0) + nbytes
+
+
+def pytree_tensors(value: object) -> list[torch.Tensor]:
+    """The tensors in a node's value (a tensor, or a tuple of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in pytree_tensors(item)]
+    return []

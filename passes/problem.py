@@ -174,7 +174,7 @@ def _node_costs(
             fwd, bwd = cost.op_time(note, strategy)
             parts.compute_fwd[name][k] += times * fwd
             parts.compute_bwd[name][k] += times * bwd
-            parts.activations[name][k] += times * cost.activation_bytes(note, strategy)
+            parts.activations[name][k] += times * cost.activation_bytes(note, strategy, node_name)
 
 
 def _edge_costs(
@@ -224,6 +224,10 @@ def _edge_costs(
         memory_m: Matrix = {}
         keeps = keeper.get((producer, index)) == (consumer, i)
         regathered = is_regathered(decisions, producer, consumer, i)
+        casts = cost.autocast_saved is not None and (
+            (producer, consumer) in cost.autocast_saved.weight_casts
+        )
+        cast_m: Matrix = {}
         for p, src in enumerate(left_classes):
             for q, dst in enumerate(right_classes):
                 fwd, bwd = cost.edge_time(info, src, dst, note.requires_grad, regathered)
@@ -234,6 +238,8 @@ def _edge_costs(
                     memory_m[(p, q)] = times * copy_bytes(
                         cost, info, src, dst, sole.get(producer) == consumer
                     )
+                if casts:  # autocast's 16-bit copy of the weight, kept by the consumer
+                    cast_m[(p, q)] = times * cost.weight_cast_bytes(info, src, dst, producer)
         if memory_m:
             parts.kept_copies[key] = KeptCopy(
                 None if left == right else len(parts.edge_terms),
@@ -243,6 +249,9 @@ def _edge_costs(
                 right_class,
                 {pq: value / times for pq, value in memory_m.items()},
             )
+        # (not a kept copy: recompute's accounting of what a region frees leaves it out)
+        for pq, value in cast_m.items():
+            memory_m[pq] = memory_m.get(pq, 0.0) + value
         if left == right:
             for k, (p, q) in enumerate(zip(left_class, right_class, strict=True)):
                 parts.self_edge[left][k] += fwd_m.get((p, q), 0.0) + bwd_m.get((p, q), 0.0)

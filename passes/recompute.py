@@ -242,7 +242,7 @@ def _coefficients(
         forward = region.forward.setdefault(binding.decision, [0.0] * count)
         for k in range(count):
             strategy = decisions.strategy(node.name, k)
-            saving[k] += cost.saved_bytes(note, strategy, output=owns_freed)
+            saving[k] += cost.saved_bytes(note, strategy, output=owns_freed, node=node.name)
             forward[k] += cost.op_time(note, strategy)[0]
     _kept_boundary(region, members, decisions, cost, savers)
 

@@ -28,7 +28,12 @@ from passes.costs import CostModel, gradient_bytes, sync_buckets
 from passes.decisions import Decisions, group_decisions
 from passes.ilp import IlpProblem, dominates, solve_ilp
 from passes.layer_sharing import layer_representatives
-from passes.mixed_precision import working_cast_nodes
+from passes.mixed_precision import (
+    MIXED,
+    AutocastSaved,
+    autocast_saved,
+    working_cast_nodes,
+)
 from passes.problem import ProblemParts, build_problem, unmerged_size
 from passes.recompute import (
     RecomputeHint,
@@ -78,6 +83,9 @@ class SolveRequest:
     # stay within this are wanted: the caller holds a plan that any other beats only so
     # (the pipeline search's bound); none found raises ``NothingFaster``
     work_cutoff: float | None = None
+    # what autograd keeps under a mixed precision's autocast (``autocast_saved``), when the
+    # caller found it already (the pipeline search: once per trace); None: found here
+    autocast_saved: AutocastSaved | None = None
 
 
 class NothingFaster(Exception):
@@ -147,6 +155,8 @@ def solve_sharding(traced: TracedModel, request: SolveRequest) -> Solved:
     as (choices per axis) ** axes; grouping keeps the ILP at a 2-d mesh's size, at the price
     of the strategies that treat the axes of a group differently.
     """
+    if request.autocast_saved is None and request.precision in MIXED:
+        request = replace(request, autocast_saved=autocast_saved(traced, request.precision))
     groupings = group_axes(request.mesh)
     if len(groupings) == 1:
         return _solve(traced, request, groupings[0])
@@ -240,6 +250,7 @@ def _solve(
             batch_scale=request.batch_scale,
             bucket_bytes=bucket,
             working_cast=working_cast,
+            autocast_saved=request.autocast_saved,
         )
         parts = build_problem(
             decisions, cost, representatives, limit, allowed, request.microbatches

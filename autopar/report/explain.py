@@ -21,7 +21,7 @@ from passes.costs import CostModel
 from passes.decisions import Decisions, group_decisions
 from passes.hints import ResolvedHints, forbidden_choices, hint_rules
 from passes.layer_sharing import layer_representatives
-from passes.mixed_precision import working_cast_nodes
+from passes.mixed_precision import autocast_saved, working_cast_nodes
 from passes.plan_build import expand_layout
 from passes.problem import ProblemParts, build_problem
 from passes.solve import group_axes, grouped_mesh
@@ -84,6 +84,7 @@ def explain(
         plan.precision,
         _zero_level(plan),
         working_cast=working_cast_nodes(traced, plan.precision),
+        autocast_saved=autocast_saved(traced, plan.precision),
     )
     limit = (
         plan.memory_limit_bytes * max(plan.parallelism.pp, 1) if plan.memory_limit_bytes else None

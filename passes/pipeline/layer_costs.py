@@ -129,7 +129,7 @@ def layer_costs(
             fwd, bwd = cost.op_time(note, strategy)
             part.compute_s += fwd + bwd
             part.forward_s += fwd
-            part.activations += cost.activation_bytes(note, strategy)
+            part.activations += cost.activation_bytes(note, strategy, node.name)
         # (the output's inputs: the layouts the step returns its results in, as the ILP
         # costs them)
         if binding.mapping is not None:
@@ -148,6 +148,12 @@ def layer_costs(
             )
             if producer.kind == "param":
                 part.gather_s += f + b
+                found = cost.autocast_saved
+                if found is not None and (source.producer, node.name) in found.weight_casts:
+                    info = producer.note.outputs[source.index]
+                    part.activations += cost.weight_cast_bytes(
+                        info, src, strategy.inputs[i], source.producer
+                    )
                 continue
             part.comm_s += f + b
             if f and i in note.saved_inputs and (source.producer, source.index) not in kept:

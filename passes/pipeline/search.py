@@ -38,7 +38,7 @@ from cost_model.memory import microbatches_in_flight
 from cost_model.step import exposed_gradient_sync, mfu, pipeline_time
 from passes.ilp import solve_ilp
 from passes.ledger import step_ledger, with_ledger
-from passes.mixed_precision import autocast_dtypes
+from passes.mixed_precision import AutocastSaved, autocast_dtypes, autocast_saved
 from passes.pipeline.layer_costs import LayerCosts, Part, layer_costs
 from passes.pipeline.ledger import pipeline_ledger, with_pipeline_ledger
 from passes.pipeline.stage_cut import StageCut, cut_stages, evaluate_cut
@@ -285,6 +285,8 @@ class _Search:
         self.errors: list[InfeasiblePlanError] = []
         self.traces: dict[int, TracedModel | None] = {}
         self.autocast: dict[int, dict[str, str]] = {}  # traced batch -> node -> dtype
+        # traced batch -> what autograd keeps under autocast (``autocast_saved``)
+        self.saved: dict[int, AutocastSaved | None] = {}
 
     def solve(
         self,
@@ -299,8 +301,11 @@ class _Search:
         microbatch's activations (``_stage_budgets``); None when none fits or none does
         less work than ``work_cutoff``."""
         request = self.request
+        if source.batch not in self.saved:
+            self.saved[source.batch] = autocast_saved(source.traced, request.solve.precision)
         solve = replace(
             request.solve,
+            autocast_saved=self.saved[source.batch],
             mesh=_stage_mesh(request.solve.mesh, p),
             memory_limit=memory,
             microbatches=max(request.global_batch // source.batch, 1),

@@ -9,6 +9,7 @@ backward and gather every gradient next to the single-device model's.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -45,15 +46,19 @@ def measure(
     rank: int,
     world: int,
     shape: tuple[int, ...],
-    cases: list[tuple[str, str | None, dict[str, Any]]],
+    cases: list[tuple[str, str | None, dict[str, Any], str]],
 ) -> list[dict[str, Any]]:
+    """Per case (model, style, compile options, label): the bytes saved on this rank next to
+    the plan's activations, and the gradients next to the single-device model's (under
+    bf16_mixed, the single-device model runs under the same autocast)."""
     mesh = autopar.Mesh(shape, device="cpu")
     results = []
-    for name, style, options in cases:
+    for name, style, options, label in cases:
         torch.manual_seed(0)
         model, inputs = build(name, batch_size=8)
         reference = copy.deepcopy(model)
-        _loss(reference(*inputs)).backward()
+        with precision_context(options.get("precision", "fp32")):
+            _loss(reference(*inputs)).backward()
         compiled = autopar.compile(model, mesh, example_inputs=inputs, force=style, **options)
         measured, out = saved_bytes(compiled, inputs)
         _loss(out).backward()
@@ -61,7 +66,7 @@ def measure(
         plan = compiled.plan
         results.append(
             {
-                "case": f"{name}/{style}/{'recompute' if options else 'plain'}",
+                "case": f"{name}/{style}/{label}",
                 "measured": measured,
                 "estimated": plan.estimate.memory_per_device_bytes.activations,
                 "recompute": [(r.kind, len(r.layers)) for r in plan.recompute],
@@ -71,6 +76,13 @@ def measure(
             }
         )
     return results
+
+
+def precision_context(precision: str) -> contextlib.AbstractContextManager[object]:
+    """The autocast a single-device run of ``precision`` runs in."""
+    if precision == "bf16_mixed":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def recompute_limit(name: str, shape: tuple[int, ...], style: str, fraction: float) -> str:
