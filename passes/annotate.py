@@ -29,7 +29,7 @@ def _tensor_infos(value: object) -> tuple[TensorInfo, ...]:
     return ()
 
 
-def _storage_id(value: object) -> int | None:
+def storage_id(value: object) -> int | None:
     if isinstance(value, torch.Tensor):
         return value.untyped_storage()._cdata
     return None
@@ -86,7 +86,7 @@ def annotate_graph(
             "module": module,
             "layer": layers.index_of(module) if layers else None,
         }
-        storage = _storage_id(val)
+        storage = storage_id(val)
         if node.op == "placeholder":
             kind, qualified = placeholder_kinds.get(node.name, ("input", None))
             entry.update(kind=kind, op=kind, param=qualified if kind == "param" else None)
@@ -165,7 +165,7 @@ def _attach_to_owner(
 
 
 def _owner(node: torch.fx.Node, owner_of_storage: dict[int, torch.fx.Node]) -> torch.fx.Node:
-    storage = _storage_id(node.meta.get("val"))
+    storage = storage_id(node.meta.get("val"))
     return owner_of_storage.get(storage, node) if storage is not None else node
 
 

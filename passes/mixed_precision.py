@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from passes.annotation import META_KEY
+from passes.probe import storage_id, tensor_leaves
 from passes.trace import TracedModel
 
 # ops autocast runs in the compute dtype, on CPU and CUDA alike (casting every input)
@@ -147,14 +148,10 @@ class _Casts(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
-            source = self.owner.get(_storage(args[0]), self.cast_of.get(_storage(args[0])))
+            source = self.owner.get(storage_id(args[0]), self.cast_of.get(storage_id(args[0])))
             if source is not None and isinstance(out, torch.Tensor):
-                self.cast_of[_storage(out)] = source
+                self.cast_of[storage_id(out)] = source
         return out
-
-
-def _storage(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
 
 
 def autocast_saved(traced: TracedModel, precision: str) -> AutocastSaved | None:
@@ -181,7 +178,7 @@ def autocast_saved(traced: TracedModel, precision: str) -> AutocastSaved | None:
                     tensor = torch.empty(val.shape, dtype=val.dtype)
                     if note.requires_grad and tensor.is_floating_point():
                         tensor.requires_grad_(True)
-                    owner[_storage(tensor)] = node.name
+                    owner[storage_id(tensor)] = node.name
                     val = tensor
                 values[node.name] = val
                 continue
@@ -197,8 +194,8 @@ def autocast_saved(traced: TracedModel, precision: str) -> AutocastSaved | None:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 value = node.target(*args, **kwargs)  # type: ignore[operator]
             values[node.name] = value
-            for out in pytree_tensors(value):
-                owner.setdefault(_storage(out), node.name)
+            for out in tensor_leaves(value):
+                owner.setdefault(storage_id(out), node.name)
             _classify(node.name, kept, owner, casts.cast_of, (live, params), found, weight_casts)
     return AutocastSaved(
         found.output_bytes, found.cast_bytes, found.internal_bytes, frozenset(weight_casts)
@@ -219,7 +216,7 @@ def _classify(
     live, params = placeholders
     seen: set[int] = set()
     for tensor in kept:
-        storage = _storage(tensor)
+        storage = storage_id(tensor)
         if storage in seen:
             continue
         seen.add(storage)
@@ -236,12 +233,3 @@ def _classify(
             found.cast_bytes[source] = found.cast_bytes.get(source, 0) + nbytes
         else:
             found.internal_bytes[name] = found.internal_bytes.get(name, 0) + nbytes
-
-
-def pytree_tensors(value: object) -> list[torch.Tensor]:
-    """The tensors in a node's value (a tensor, or a tuple of them)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, list | tuple):
-        return [t for item in value for t in pytree_tensors(item)]
-    return []

@@ -79,15 +79,17 @@ def _cpu_flash_flop_mapping() -> dict[Any, Callable[..., int]]:
     return mapping
 
 
-def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors in a value (a tensor, or nested lists and tuples of them)."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, list | tuple):
-        return [t for item in value for t in _tensor_leaves(item)]
+        return [t for item in value for t in tensor_leaves(item)]
     return []
 
 
-def _storage_id(tensor: torch.Tensor) -> int:
+def storage_id(tensor: torch.Tensor) -> int:
+    """Which storage a tensor views (fake tensors too)."""
     return tensor.untyped_storage()._cdata
 
 
@@ -159,13 +161,13 @@ class OpProber:
             with self._mode:
                 args = self._materialise(node.args, needs_grad)
                 kwargs = self._materialise(kwargs, needs_grad)
-                inputs = _tensor_leaves(args) + _tensor_leaves(kwargs)
+                inputs = tensor_leaves(args) + tensor_leaves(kwargs)
                 with (
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
                     FlopCounterMode(display=False, custom_mapping=self._flop_mapping) as fwd,
                 ):
                     result = node.target(*args, **kwargs)
-                outputs = _tensor_leaves(result)
+                outputs = tensor_leaves(result)
                 bwd_flops = self._backward_flops(inputs, outputs)
         except Exception as error:
             return OpProbe(
@@ -179,12 +181,12 @@ class OpProber:
                 ok=False,
                 error=f"{type(error).__name__}: {error}",
             )
-        input_storage = {_storage_id(t): i for i, t in enumerate(inputs)}
-        output_storage = {_storage_id(t): i for i, t in enumerate(outputs)}
+        input_storage = {storage_id(t): i for i, t in enumerate(inputs)}
+        output_storage = {storage_id(t): i for i, t in enumerate(outputs)}
         saved_inputs, saved_outputs, internal = set(), set(), 0
         seen: set[int] = set()
         for tensor in saved:
-            storage = _storage_id(tensor)
+            storage = storage_id(tensor)
             if storage in input_storage:
                 saved_inputs.add(input_storage[storage])
             elif storage in output_storage:
@@ -199,7 +201,7 @@ class OpProber:
             saved_outputs=frozenset(saved_outputs),
             internal_saved_bytes=internal,
             output_requires_grad=tuple(t.requires_grad for t in outputs),
-            input_aliases=tuple(input_storage.get(_storage_id(t)) for t in outputs),
+            input_aliases=tuple(input_storage.get(storage_id(t)) for t in outputs),
         )
 
     def _backward_flops(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
