@@ -5,8 +5,23 @@
   ``2 n^3`` FLOPs each, timed for a fixed budget.
 - **Memory bandwidth**: ``dst.copy_(src)`` of a large buffer, ``2 x`` its size per copy
   (read + write), as STREAM's copy kernel counts it.
-- **Collective bus bandwidth** and step latency: ``collective_bench`` on 2 local processes
-  with gloo on a CPU, or NCCL across the visible GPUs when there are at least two.
+- **Op rates**: FLOP/s of a Linear's forward and backward and of causal attention's, per
+  dtype, at sizes doubling from small ones: training's matmuls are small and reach less
+  than the square peak (one CPU thread here: 138 GFLOP/s in a small decoder's linears
+  against 210 for a 2048-cube), and attention kernels less still.
+- **Op overhead**: a chain of element-wise ops on a 4-value tensor that requires grad, as
+  training records them: seconds per op forward, and per op of its backward (the autograd
+  engine's node); asynchronous on a GPU (the host queues kernels), additive on a CPU.
+- **Collectives**: ``collective_bench`` on 2 local processes with gloo on a CPU (on
+  ``ranks`` of them with ``ranks``), or NCCL across the visible GPUs when there are at
+  least two: bus bandwidth per collective as the runtime runs it, step latency, and the
+  share of communication compute hides (``comm_overlap``).
+
+With ``ranks`` (a CPU shared by that many local gloo ranks, as ``autopar.testing.run_ranks``
+runs them), everything is measured by that many processes at once, one thread each (the
+cores divided among them), and each figure is the median over the processes: what one rank
+gets while the others run, caches and memory bus shared, not a share computed from one
+process alone.
 
 The numbers are achieved, not peaks, so the preset's efficiencies are 1. What one machine
 cannot measure (the inter-node link, the intra-node one on a single GPU, the node size,
@@ -21,16 +36,22 @@ from __future__ import annotations
 
 import os
 import re
+import statistics
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.multiprocessing as mp
+import torch.utils.flop_counter
 
-from cost_model.collective_bench import measure_collectives
-from cost_model.hardware import DevicePreset, Efficiency, Link, load_preset
+from cost_model.collective_bench import PENALTY_COMPUTE_S, SMALLEST, measure_collectives
+from cost_model.flops import cpu_flash_flop_mapping
+from cost_model.hardware import DevicePreset, Efficiency, Link, OpOverhead, load_preset
 from plans.errors import UsageError
+
+OP_CHAIN = 64  # element-wise ops per timed chain (op overhead)
+CPU_COPY_BYTES = 16 << 20  # the copy that measures a CPU's memory bandwidth (copy_bytes)
 
 
 class Budget(NamedTuple):
@@ -105,12 +126,22 @@ def measure_matmul(dtype: torch.dtype, device: torch.device, budget: Budget) -> 
     return 2 * n**3 / seconds
 
 
+def copy_bytes(device: torch.device, budget: Budget) -> int:
+    """The buffer the bandwidth is measured on: the budget's on a GPU; on a CPU at most
+    ``CPU_COPY_BYTES``, since the models a CPU trains (small ones, in tests and on laptops)
+    stream tensors that its last-level cache holds, and a copy far beyond it measures the
+    memory bus instead (here 12.1 GB/s a rank at 16 MiB against 7.3 at 256 MiB, on 4
+    processes; AdamW's step over a 3M-parameter model ran at 11)."""
+    return budget.copy_bytes if device.type == "cuda" else min(budget.copy_bytes, CPU_COPY_BYTES)
+
+
 def measure_memory_bandwidth(device: torch.device, budget: Budget) -> float:
-    """Achieved bytes/s of a large copy, counting the read and the write."""
-    src = torch.ones(budget.copy_bytes, dtype=torch.uint8, device=device)
+    """Achieved bytes/s of a copy (``copy_bytes``), counting the read and the write."""
+    size = copy_bytes(device, budget)
+    src = torch.ones(size, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     seconds = time_call(lambda: dst.copy_(src), budget.seconds, device)
-    return 2 * budget.copy_bytes / seconds
+    return 2 * size / seconds
 
 
 def _device_memory(device: torch.device) -> float:
@@ -170,20 +201,171 @@ def _measure_peaks(device: torch.device, budget: Budget) -> dict[str, float]:
     return {key: _rounded(value) for key, value in peaks.items()}
 
 
+def measure_op_overhead(device: torch.device, budget: Budget) -> tuple[float, float]:
+    """Seconds per op forward and per op backward of a chain of tiny element-wise ops."""
+    weight = torch.ones(4, device=device, requires_grad=True)
+
+    def forward() -> torch.Tensor:
+        value = weight
+        for _ in range(OP_CHAIN):
+            value = value * 1.0001
+        return value
+
+    forward_s = time_call(forward, budget.seconds, device) / OP_CHAIN
+    both_s = time_call(lambda: forward().sum().backward(), budget.seconds, device) / OP_CHAIN
+    return forward_s, max(both_s - forward_s, 0.0)
+
+
+Curve = list[tuple[float, float]]  # (FLOPs of one forward call, FLOP/s), growing
+
+
+def _linear(n: int, dtype: torch.dtype, device: torch.device) -> tuple[Callable[[], object], float]:
+    """A Linear's forward and backward on an ``(n, n)`` input, as training runs it; the
+    FLOPs of its forward."""
+    x = torch.randn(n, n, device=device).to(dtype).requires_grad_()
+    weight = torch.randn(n, n, device=device).to(dtype).requires_grad_()
+    grad = torch.randn(n, n, device=device).to(dtype)
+
+    def step() -> None:
+        torch.nn.functional.linear(x, weight).backward(grad)
+        x.grad = weight.grad = None
+
+    return step, 2.0 * n**3
+
+
+def _attention(
+    length: int, dtype: torch.dtype, device: torch.device
+) -> tuple[Callable[[], object], float]:
+    """Causal attention's forward and backward on 8 heads of 64 over ``length`` tokens."""
+    q, k, v = (
+        torch.randn(1, 8, length, 64, device=device).to(dtype).requires_grad_() for _ in range(3)
+    )
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def step() -> None:
+        sdpa(q, k, v, is_causal=True).sum().backward()
+        q.grad = k.grad = v.grad = None
+
+    with _counting() as counter:
+        sdpa(q, k, v, is_causal=True)
+    return step, float(counter.get_total_flops())
+
+
+def _counting() -> torch.utils.flop_counter.FlopCounterMode:
+    return torch.utils.flop_counter.FlopCounterMode(
+        display=False, custom_mapping=cpu_flash_flop_mapping()
+    )
+
+
+def _total_flops(step: Callable[[], object]) -> float:
+    with _counting() as counter:
+        step()
+    return float(counter.get_total_flops())
+
+
+def measure_op_rates(device: torch.device, budget: Budget) -> dict[str, dict[str, Curve]]:
+    """FLOP/s of a Linear's forward and backward (``matmul``) and of causal attention's
+    (``attention``) per dtype, at sizes doubling from small until one call takes a tenth of
+    the budget or passes its largest matmul: as the cost model prices them, by the FLOPs
+    of one forward call (``DevicePreset.op_rates``); FLOPs counted as the annotation counts
+    them (``FlopCounterMode``)."""
+    families = {"matmul": (_linear, 64), "attention": (_attention, 128)}
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if device.type == "cuda":
+        dtypes["float16"] = torch.float16
+    found: dict[str, dict[str, Curve]] = {}
+    for family, (make, start) in families.items():
+        for key, dtype in dtypes.items():
+            curve: Curve = []
+            size = start
+            while size <= budget.max_matmul:
+                step, call_flops = make(size, dtype, device)
+                seconds = time_call(step, budget.seconds / 4, device)
+                curve.append((call_flops, _rounded(_total_flops(step) / seconds)))
+                if seconds > budget.seconds / 10:
+                    break
+                size *= 2
+            found.setdefault(family, {})[key] = curve
+    return found
+
+
+class DeviceFigures(NamedTuple):
+    """What one process measured of its device."""
+
+    peaks: dict[str, float]
+    memory_bandwidth: float
+    op_forward: float
+    op_backward: float
+    op_rates: dict[str, dict[str, Curve]]
+
+
+def measure_device(device: torch.device, budget: Budget, threads: int) -> DeviceFigures:
+    """Matmul peaks, copy bandwidth, op overhead and op rates, on ``threads`` torch threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        peaks = _measure_peaks(device, budget)
+        bandwidth = measure_memory_bandwidth(device, budget)
+        forward, backward = measure_op_overhead(device, budget)
+        rates = measure_op_rates(device, budget)
+    finally:
+        torch.set_num_threads(before)
+    return DeviceFigures(peaks, bandwidth, forward, backward, rates)
+
+
+def _rank_worker(rank: int, budget: Budget, threads: int, queue: Any) -> None:
+    queue.put(measure_device(torch.device("cpu"), budget, threads))
+
+
+def measure_ranks(ranks: int, budget: Budget, threads: int) -> DeviceFigures:
+    """``measure_device`` in ``ranks`` processes at once; each figure the median over them."""
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    mp.start_processes(
+        _rank_worker, args=(budget, threads, queue), nprocs=ranks, join=True, start_method="spawn"
+    )
+    found = [queue.get() for _ in range(ranks)]
+    rates: dict[str, dict[str, Curve]] = {}
+    for family, curves in found[0].op_rates.items():
+        for dtype, curve in curves.items():
+            # the sizes every process reached, each rate the median over them
+            points = min(len(f.op_rates[family][dtype]) for f in found)
+            rates.setdefault(family, {})[dtype] = [
+                (curve[i][0], statistics.median(f.op_rates[family][dtype][i][1] for f in found))
+                for i in range(points)
+            ]
+    return DeviceFigures(
+        {k: statistics.median(f.peaks[k] for f in found) for k in found[0].peaks},
+        statistics.median(f.memory_bandwidth for f in found),
+        statistics.median(f.op_forward for f in found),
+        statistics.median(f.op_backward for f in found),
+        rates,
+    )
+
+
 def _achievable(link: Link, base: DevicePreset) -> Link:
     """A base preset's peak link scaled by its network efficiency, to sit among measurements."""
     return Link(bandwidth=link.bandwidth * base.efficiency.network, latency=link.latency)
 
 
+class Links(NamedTuple):
+    """The intra-node link as measured (or kept), with what goes with it."""
+
+    intra: Link
+    launch_overhead: float
+    overlap: float
+
+
 def _measure_links(
-    device: torch.device, budget: Budget, base: DevicePreset, notes: list[str]
-) -> tuple[Link, float]:
+    device: torch.device, budget: Budget, base: DevicePreset, notes: list[str], ranks: int
+) -> Links:
     """The intra-node link, measured when there is a second rank to talk to."""
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    kept = Links(_achievable(base.intra_node, base), base.launch_overhead, base.comm_overlap)
     if device.type == "cuda" and gpus < 2:
         notes.append(f"intra-node link: one GPU visible, kept from {base.name}")
-        return _achievable(base.intra_node, base), base.launch_overhead
-    backend, world = ("nccl", gpus) if device.type == "cuda" else ("gloo", 2)
+        return kept
+    backend, world = ("nccl", gpus) if device.type == "cuda" else ("gloo", max(ranks, 2))
     try:
         comm = measure_collectives(backend, world, budget.comm_bytes, budget.comm_iters)
     except (RuntimeError, OSError, mp.ProcessRaisedException, mp.ProcessExitedException) as err:
@@ -191,14 +373,25 @@ def _measure_links(
         notes.append(
             f"intra-node link: {backend} benchmark failed ({reason}); kept from {base.name}"
         )
-        return _achievable(base.intra_node, base), base.launch_overhead
+        return kept
     busbw = ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in comm.bus_bandwidth.items())
     notes.append(
-        f"intra-node link: {backend} on {world} ranks, {comm.nbytes >> 20} MiB: bus "
-        f"bandwidth {busbw}; 1-value all-reduce {comm.small_message_s * 1e6:.0f} us, "
-        "counted as per-step latency (launch overhead 0)"
+        f"intra-node link: {backend} on {world} ranks, {SMALLEST >> 10} KiB to "
+        f"{comm.nbytes >> 20} MiB: bus bandwidth by size per collective (at the largest: "
+        f"{busbw}); 1-value all-reduce {comm.small_message_s * 1e6:.0f} us, counted as "
+        f"per-step latency; a collective after {PENALTY_COMPUTE_S * 1e3:g} ms of compute "
+        f"lost {comm.penalty_s * 1e6:.0f} us more (launch_overhead); compute hid "
+        f"{comm.overlap:.0%} of an all-reduce run beside it (comm_overlap)"
     )
-    return Link(bandwidth=_rounded(comm.bandwidth), latency=_rounded(comm.step_latency)), 0.0
+    curves = {
+        kind: [(size, _rounded(bw)) for size, bw in curve] for kind, curve in comm.curves.items()
+    }
+    link = Link(
+        bandwidth=_rounded(comm.bandwidth),
+        latency=_rounded(comm.step_latency),
+        bandwidth_by_kind=curves,  # type: ignore[arg-type]
+    )
+    return Links(link, _rounded(comm.penalty_s), round(comm.overlap, 2))
 
 
 def calibrate(
@@ -211,9 +404,9 @@ def calibrate(
     """Measure this machine (its first GPU if any, else the CPU) and describe it as a preset.
 
     ``ranks`` (CPU only): the device is one of that many ranks sharing the machine, as
-    ``autopar.testing.run_ranks`` runs them (one torch thread each): compute is measured on
-    ``cores // ranks`` threads (at least one) and divided by how many ranks share each
-    thread's core; memory and its bandwidth are divided among the ranks."""
+    ``autopar.testing.run_ranks`` runs them (one torch thread each, the cores divided):
+    every figure is measured by that many processes at once (the module docstring), and
+    memory is divided among them."""
     device = torch.device(device) if device is not None else _default_device()
     if ranks < 1 or (ranks > 1 and device.type != "cpu"):
         raise UsageError(f"ranks={ranks}: one or more, and more than one only on a CPU")
@@ -221,33 +414,34 @@ def calibrate(
     base = _base_preset(device)
     cores = os.cpu_count() or 1
     threads = max(1, cores // ranks) if ranks > 1 else torch.get_num_threads()
-    share = min(1.0, cores / (ranks * threads)) if ranks > 1 else 1.0
     notes: list[str] = [
         f"measured by `autopar calibrate{' --quick' if quick else ''}"
         f"{f' --ranks {ranks}' if ranks > 1 else ''}` on "
         f"{_describe(device)} with torch {torch.__version__}"
     ]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        peaks = {k: _rounded(v * share) for k, v in _measure_peaks(device, budget).items()}
-    finally:
-        torch.set_num_threads(before)
-    memory_bandwidth = _rounded(measure_memory_bandwidth(device, budget) / ranks)
+    if ranks > 1:
+        figures = measure_ranks(ranks, budget, threads)
+    else:
+        figures = measure_device(device, budget, threads)
+    peaks = {k: _rounded(v) for k, v in figures.peaks.items()}
     notes.append(
         "peak_flops: achieved square-matmul FLOP/s; memory_bandwidth: achieved copy "
-        f"bandwidth of {budget.copy_bytes >> 20} MiB (read + write)"
+        f"bandwidth of {copy_bytes(device, budget) >> 20} MiB (read + write); op_overhead: a chain "
+        f"of {OP_CHAIN} element-wise ops on 4 values that require grad, forward "
+        f"{figures.op_forward * 1e6:.1f} us and backward {figures.op_backward * 1e6:.1f} us "
+        "an op; op_rates: FLOP/s of a Linear's and of causal attention's forward and backward "
+        "by size (training's small matmuls reach less than the square peak)"
     )
     if ranks > 1:
         notes.append(
-            f"one of {ranks} ranks on {cores} cores: matmuls on {threads} thread(s), times "
-            f"{share:.2f} (the ranks sharing a core); memory and its bandwidth divided by "
-            f"{ranks}; the collectives as measured on 2 processes"
+            f"one of {ranks} ranks on {cores} cores: every figure measured by {ranks} "
+            f"processes at once, {threads} thread(s) each, the median over them; memory "
+            f"divided by {ranks}; the collectives on {ranks} processes"
         )
     if collectives:
-        intra, launch = _measure_links(device, budget, base, notes)
+        links = _measure_links(device, budget, base, notes, ranks)
     else:
-        intra, launch = _achievable(base.intra_node, base), base.launch_overhead
+        links = Links(_achievable(base.intra_node, base), base.launch_overhead, base.comm_overlap)
         notes.append(f"intra-node link: not measured (collectives skipped), kept from {base.name}")
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     gpus_per_node = gpus if gpus > 1 else base.gpus_per_node
@@ -265,11 +459,18 @@ def calibrate(
         description=f"calibrated on {_describe(device)}",
         peak_flops={**peaks, **{k: _rounded(v) for k, v in borrowed.items()}},
         memory_bytes=_device_memory(device) / ranks,
-        memory_bandwidth=memory_bandwidth,
+        memory_bandwidth=_rounded(figures.memory_bandwidth),
         gpus_per_node=gpus_per_node,
-        intra_node=intra,
+        intra_node=links.intra,
         inter_node=_achievable(base.inter_node, base),
-        launch_overhead=launch,
+        launch_overhead=links.launch_overhead,
+        op_overhead=OpOverhead(
+            forward=_rounded(figures.op_forward),
+            backward=_rounded(figures.op_backward),
+            asynchronous=device.type == "cuda",
+        ),
+        comm_overlap=links.overlap,
+        op_rates=figures.op_rates,
         efficiency=Efficiency(compute=1.0, memory=1.0, network=1.0),
     )
     return Calibration(preset, tuple(notes))
@@ -292,6 +493,19 @@ def summary_rows(preset: DevicePreset) -> list[tuple[str, str]]:
         ("memory bandwidth", f"{preset.memory_bandwidth / 1e9:.1f} GB/s"),
         ("intra-node bus bandwidth", f"{preset.intra_node.bandwidth / 1e9:.2f} GB/s"),
         ("intra-node step latency", f"{preset.intra_node.latency * 1e6:.1f} us"),
+    ]
+    for kind in preset.intra_node.bandwidth_by_kind:
+        curve = preset.intra_node.bandwidth_curve(kind)
+        low, high = min(bw for _, bw in curve), max(bw for _, bw in curve)
+        span = f"{high / 1e9:.2f}" if low == high else f"{low / 1e9:.2f} to {high / 1e9:.2f}"
+        rows.append((f"intra-node {kind}", f"{span} GB/s"))
+    host = preset.op_overhead
+    rows += [
         ("inter-node bus bandwidth", f"{preset.inter_node.bandwidth / 1e9:.2f} GB/s"),
+        (
+            "op overhead",
+            f"{host.forward * 1e6:.1f} us forward, {host.backward * 1e6:.1f} us backward",
+        ),
+        ("communication compute hides", f"{preset.comm_overlap:.0%}"),
     ]
     return rows

@@ -62,30 +62,32 @@ import math
 from collections.abc import Iterable
 from typing import Literal, NamedTuple
 
-from cost_model.hardware import DevicePreset, Link, load_preset
+from cost_model.hardware import COLLECTIVE_KINDS, DevicePreset, Link, load_preset, read_curve
 from cost_model.reshard import Reshard, reshard_cost
 from plans.errors import UsageError
 from plans.mesh import MeshSpec
 from plans.placement import Layout
 
 Form = Literal["none", "ring", "hierarchical"]
-COLLECTIVES: tuple[str, ...] = (
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "all_to_all",
-    "broadcast",
-    "p2p",
-)
+COLLECTIVES: tuple[str, ...] = COLLECTIVE_KINDS
 
 
 class AxisLink(NamedTuple):
-    """One mesh axis as the collectives see it; ``bandwidth`` already times the efficiency."""
+    """One mesh axis as the collectives see it; bandwidths already times the efficiency."""
 
     axis: int
     size: int
     bandwidth: float
     latency: float
+    # (kind, its (bytes, bandwidth) curve) of the collectives whose bandwidth is not
+    # ``bandwidth`` at every size (``Link.bandwidth_by_kind``)
+    by_kind: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
+
+    def bandwidth_of(self, kind: str, nbytes: float) -> float:
+        for name, curve in self.by_kind:
+            if name == kind:
+                return read_curve(curve, nbytes)
+        return self.bandwidth
 
 
 class CollectiveStep(NamedTuple):
@@ -146,7 +148,7 @@ def ring_time(
 def _flat(kind: str, nbytes: float, group: tuple[AxisLink, ...], launch: float) -> CollectiveStep:
     """The collective as one ring over the group's devices, at its slowest link."""
     n = math.prod(link.size for link in group)
-    bandwidth = min(link.bandwidth for link in group)
+    bandwidth = min(link.bandwidth_of(kind, nbytes) for link in group)
     latency = max(link.latency for link in group)
     axes = tuple(sorted(link.axis for link in group))
     time = ring_time(kind, nbytes, n, bandwidth, latency, launch=launch)
@@ -235,7 +237,19 @@ class MeshCost:
         self.gpus_per_node = mesh.gpus_per_node or self.preset.gpus_per_node
         efficiency = self.preset.efficiency.network
         self.links = tuple(
-            AxisLink(axis, size, link.bandwidth * efficiency, link.latency)
+            AxisLink(
+                axis,
+                size,
+                link.bandwidth * efficiency,
+                link.latency,
+                tuple(
+                    (
+                        kind,
+                        tuple((size, bw * efficiency) for size, bw in link.bandwidth_curve(kind)),
+                    )
+                    for kind in sorted(link.bandwidth_by_kind)
+                ),
+            )
             for axis, size in enumerate(mesh.shape)
             for link in (self.axis_link(axis),)
         )

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from cost_model.hardware import DevicePreset
+from cost_model.hardware import DevicePreset, read_curve
 
 if TYPE_CHECKING:
     import torch
@@ -83,9 +83,18 @@ def peak_flops(preset: DevicePreset, dtype: str | torch.dtype) -> float | None:
 
 
 def op_time(
-    flops: float, bytes_moved: float, dtype: str | torch.dtype, preset: DevicePreset
+    flops: float,
+    bytes_moved: float,
+    dtype: str | torch.dtype,
+    preset: DevicePreset,
+    family: str = "",
+    call_flops: float | None = None,
 ) -> float:
     """Roofline time in seconds: ``max(flops / achievable peak, bytes / achievable bandwidth)``.
+
+    The achievable peak is the measured rate of the op's ``family`` (``matmul``,
+    ``attention``) at ``call_flops`` (FLOPs of one forward call; default ``flops``) where the
+    preset has one (``DevicePreset.op_rates``), else the peak times the compute efficiency.
 
     >>> from cost_model.hardware import load_preset
     >>> cpu = load_preset("cpu")
@@ -93,10 +102,23 @@ def op_time(
     True
     """
     memory_s = bytes_moved / (preset.memory_bandwidth * preset.efficiency.memory)
-    peak = peak_flops(preset, dtype)
-    if flops <= 0 or peak is None:
+    rate = achieved_flops(preset, dtype, family, flops if call_flops is None else call_flops)
+    if flops <= 0 or rate is None:
         return memory_s
-    return max(flops / (peak * preset.efficiency.compute), memory_s)
+    return max(flops / rate, memory_s)
+
+
+def achieved_flops(
+    preset: DevicePreset, dtype: str | torch.dtype, family: str, call_flops: float
+) -> float | None:
+    """FLOP/s an op of ``family`` doing ``call_flops`` per call reaches in ``dtype``: the
+    preset's measured curve (``op_rates``), else ``peak_flops`` times the compute
+    efficiency (None: no floating-point peak)."""
+    curve = preset.op_rates.get(family, {}).get(dtype_key(dtype))
+    if curve:
+        return read_curve(tuple((float(f), float(r)) for f, r in curve), call_flops)
+    peak = peak_flops(preset, dtype)
+    return None if peak is None else peak * preset.efficiency.compute
 
 
 def is_compute_bound(

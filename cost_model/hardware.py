@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import difflib
 import functools
+import itertools
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -46,6 +48,10 @@ PRESET_SUFFIXES = (".yaml", ".yml")
 # Keys of ``DevicePreset.peak_flops``: torch dtype names, plus "tfloat32" (fp32 matmuls on
 # tensor cores) and "float8" (any 8-bit float format).
 DTYPE_KEYS = ("float64", "float32", "tfloat32", "bfloat16", "float16", "float8")
+# Keys of ``DevicePreset.op_rates``: op families whose achieved FLOP/s are measured.
+OP_FAMILIES = ("matmul", "attention")
+# Keys of ``Link.bandwidth_by_kind``: the collectives the cost model prices.
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
 
 
 class _Strict(BaseModel):
@@ -61,6 +67,69 @@ class Link(_Strict):
         "at its peak); NVLink's bidirectional figure halved.",
     )
     latency: float = Field(ge=0, description="Seconds per step of a collective (one ring hop).")
+    bandwidth_by_kind: dict[str, float | list[tuple[float, float]]] = Field(
+        default_factory=dict,
+        description="Bus bandwidth of particular collectives where it differs from "
+        "``bandwidth``: one figure (gloo's all-gather runs at half its all-reduce's), or "
+        "``[bytes, bus bandwidth]`` pairs by message size as measured (mid-sized messages "
+        "reach less than large ones), read between them on a log scale of bytes. Keys: "
+        "all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, p2p.",
+    )
+
+    @field_validator("bandwidth_by_kind")
+    @classmethod
+    def _known_kinds(
+        cls, value: dict[str, float | list[tuple[float, float]]]
+    ) -> dict[str, float | list[tuple[float, float]]]:
+        unknown = sorted(set(value) - set(COLLECTIVE_KINDS))
+        if unknown:
+            raise ValueError(f"unknown collectives {unknown}; use {list(COLLECTIVE_KINDS)}")
+        for kind, figure in value.items():
+            points = [(1.0, figure)] if isinstance(figure, int | float) else figure
+            if not points or any(not (size > 0 and bw > 0) for size, bw in points):
+                raise ValueError(f"{kind}: bandwidths and sizes must be positive")
+            if [size for size, _ in points] != sorted({size for size, _ in points}):
+                raise ValueError(f"{kind}: sizes must grow from one pair to the next")
+        return value
+
+    def bandwidth_curve(self, kind: str) -> tuple[tuple[float, float], ...]:
+        """``(bytes, bus bandwidth)`` points of collective ``kind``: its own, else the
+        link's bandwidth at every size (one point)."""
+        figure = self.bandwidth_by_kind.get(kind, self.bandwidth)
+        if isinstance(figure, int | float):
+            return ((1.0, float(figure)),)
+        return tuple((float(size), float(bw)) for size, bw in figure)
+
+
+def read_curve(points: tuple[tuple[float, float], ...], nbytes: float) -> float:
+    """The bandwidth at ``nbytes`` of a ``(bytes, bandwidth)`` curve: linear in the log of
+    the size between its points, the end points' beyond them."""
+    if nbytes <= points[0][0] or len(points) == 1:
+        return points[0][1]
+    for (low, low_bw), (high, high_bw) in itertools.pairwise(points):
+        if nbytes <= high:
+            share = math.log(nbytes / low) / math.log(high / low)
+            return low_bw + share * (high_bw - low_bw)
+    return points[-1][1]
+
+
+class OpOverhead(_Strict):
+    """Host time to issue one op, beside the roofline time of its kernel: the dispatcher (and,
+    in backward, the autograd engine's node) in eager PyTorch."""
+
+    forward: float = Field(0.0, ge=0, description="Seconds per forward op.")
+    backward: float = Field(0.0, ge=0, description="Seconds per backward op (autograd node).")
+    asynchronous: bool = Field(
+        True,
+        description="The host queues kernels for an accelerator, which runs them while it "
+        "issues the next: an op takes the longer of the two. False on a CPU, which runs the "
+        "op after issuing it: the two add.",
+    )
+
+    def time(self, kernel_s: float, backward: bool = False) -> float:
+        """An op's seconds given its kernel's (roofline) seconds."""
+        host = self.backward if backward else self.forward
+        return max(kernel_s, host) if self.asynchronous else kernel_s + host
 
 
 class Efficiency(_Strict):
@@ -91,6 +160,25 @@ class DevicePreset(_Strict):
     launch_overhead: float = Field(
         0.0, ge=0, description="Seconds per collective call, on top of the per-step latency."
     )
+    op_overhead: OpOverhead = Field(
+        default_factory=OpOverhead, description="Host time per op (``autopar calibrate``)."
+    )
+    op_rates: dict[str, dict[str, list[tuple[float, float]]]] = Field(
+        default_factory=dict,
+        description="Measured FLOP/s of an op family (``matmul``, ``attention``) by dtype, "
+        "as ``[FLOPs of one forward call, FLOP/s]`` pairs over sizes (``autopar "
+        "calibrate``): small matmuls reach less of the peak than large ones. Where a "
+        "family and dtype have a curve the roofline's compute term reads it (between the "
+        "points on a log scale) instead of the peak times ``efficiency.compute``.",
+    )
+    comm_overlap: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="The fraction of the communication that may hide behind compute which "
+        "compute really hides: 1 where collectives run beside the kernels (NCCL on its own "
+        "links), less where they need the cores compute runs on (gloo on a busy CPU).",
+    )
     efficiency: Efficiency
 
     @field_validator("memory_bytes", mode="before")
@@ -102,6 +190,25 @@ class DevicePreset(_Strict):
             return parse_bytes(value)
         except UsageError as err:
             raise ValueError(str(err)) from None
+
+    @field_validator("op_rates")
+    @classmethod
+    def _known_families(
+        cls, value: dict[str, dict[str, list[tuple[float, float]]]]
+    ) -> dict[str, dict[str, list[tuple[float, float]]]]:
+        unknown = sorted(set(value) - set(OP_FAMILIES))
+        if unknown:
+            raise ValueError(f"unknown op families {unknown}; use {list(OP_FAMILIES)}")
+        for family, curves in value.items():
+            bad = sorted(set(curves) - set(DTYPE_KEYS))
+            if bad:
+                raise ValueError(f"{family}: unknown dtype keys {bad}; use {list(DTYPE_KEYS)}")
+            for dtype, points in curves.items():
+                if not points or any(not (f > 0 and r > 0) for f, r in points):
+                    raise ValueError(f"{family}.{dtype}: FLOPs and rates must be positive")
+                if [f for f, _ in points] != sorted({f for f, _ in points}):
+                    raise ValueError(f"{family}.{dtype}: FLOPs must grow from pair to pair")
+        return value
 
     @field_validator("peak_flops")
     @classmethod

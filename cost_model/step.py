@@ -79,7 +79,9 @@ def exposed_overlap(
     return max(0.0, end - compute_end_s)
 
 
-def exposed_gradient_sync(sync_s: float, backward_s: float, buckets: int) -> float:
+def exposed_gradient_sync(
+    sync_s: float, backward_s: float, buckets: int, overlap: float = 1.0
+) -> float:
     """The part of a bucketed gradient sync that backward does not hide.
 
     Gradients fill ``k`` equal buckets at even times during a backward of ``B`` seconds; each
@@ -90,35 +92,64 @@ def exposed_gradient_sync(sync_s: float, backward_s: float, buckets: int) -> flo
         exposed = max(C / k, C - B (k - 1) / k)
 
     (the last bucket, or, when communication is the bottleneck, everything backward cannot
-    cover). Equals ``exposed_overlap`` on that schedule.
+    cover). Equals ``exposed_overlap`` on that schedule. Where compute hides only a share
+    ``f`` of what runs beside it (``DevicePreset.comm_overlap``: collectives that need the
+    cores compute runs on), the rest stays exposed, ``(1 - f) C + f exposed``:
+
+        exposed = max(C (1 - f (k - 1) / k), C - f B (k - 1) / k)
+
+    >>> exposed_gradient_sync(4.0, 10.0, 4), exposed_gradient_sync(4.0, 10.0, 4, overlap=0.0)
+    (1.0, 4.0)
     """
     if buckets < 1:
         raise UsageError(f"buckets={buckets}: at least one bucket")
     if sync_s <= 0:
         return 0.0
-    k = buckets
-    return max(sync_s / k, sync_s - backward_s * (k - 1) / k)
+    hides = overlap * (buckets - 1) / buckets
+    return max(sync_s * (1 - hides), sync_s - backward_s * hides)
 
 
-def exposed_prefetch(gather_s: Sequence[float], compute_s: Sequence[float]) -> float:
-    """Exposed time of per-layer parameter all-gathers prefetched one layer ahead (FSDP).
+def exposed_prefetch(
+    gather_s: Sequence[float], compute_s: Sequence[float], overlap: float = 1.0
+) -> float:
+    """Exposed time of per-layer parameter all-gathers prefetched one layer ahead (FSDP):
+    the sum of ``prefetch_waits``.
+
+    >>> exposed_prefetch([2.0, 2.0, 2.0], [3.0, 1.0, 3.0])
+    3.0
+    >>> exposed_prefetch([2.0, 2.0, 2.0], [3.0, 3.0, 3.0], overlap=0.5)
+    4.0
+    """
+    return sum(prefetch_waits(gather_s, compute_s, overlap))
+
+
+def prefetch_waits(
+    gather_s: Sequence[float], compute_s: Sequence[float], overlap: float = 1.0
+) -> list[float]:
+    """How long each layer waits for its parameters' all-gather, prefetched one layer
+    ahead (FSDP2's forward prefetch, and the backward's in reverse).
 
     Layer ``i``'s gather is issued when layer ``i - 1`` starts computing, so it hides behind
-    that layer; the first gather hides behind nothing. For ``L`` equal layers:
-    ``g + (L - 1) max(0, g - c)``.
+    that layer; the first gather hides behind nothing; gathers run one at a time. For ``L``
+    equal layers the waits sum to ``g + (L - 1) max(0, g - c)``. Where compute hides only a
+    share ``f`` of what runs beside it (``DevicePreset.comm_overlap``), each wait is
+    ``(1 - f) g + f`` times the wait of that rule, as ``exposed_gradient_sync`` does.
+
+    >>> prefetch_waits([2.0, 2.0, 2.0], [3.0, 1.0, 3.0])
+    [2.0, 0.0, 1.0]
     """
     if len(gather_s) != len(compute_s):
         raise UsageError("one all-gather time per layer compute time")
-    if not gather_s:
-        return 0.0
-    gather_end = gather_s[0]
+    waits = []
+    gather_end = gather_s[0] if gather_s else 0.0
     compute_end = 0.0
     for i, compute in enumerate(compute_s):
         start = max(compute_end, gather_end)
+        waits.append((1 - overlap) * gather_s[i] + overlap * (start - compute_end))
         if i + 1 < len(gather_s):  # the next layer's gather is issued now
             gather_end = max(gather_end, start) + gather_s[i + 1]
         compute_end = start + compute
-    return compute_end - sum(compute_s)
+    return waits
 
 
 def step_time(

@@ -169,3 +169,34 @@ def test_bytes_sent_per_device_follow_the_bus_factor(make_preset):
     assert cost.collective("all_reduce", S, 1).sent == pytest.approx(2 * 7 / 8 * S)
     hierarchical = cost.collective("all_reduce", S, (0, 1))
     assert hierarchical.sent == pytest.approx(2 * 7 / 8 * S + 2 * 1 / 2 * S / 8)
+
+
+def test_a_collective_reads_its_own_bandwidth_by_kind_and_message_size(make_preset):
+    """``Link.bandwidth_by_kind``: gloo's all-gather at half the link's bandwidth; an
+    all-reduce's bandwidth growing with the message, read between the measured sizes on a
+    log scale (1 GB/s at 1 MiB, 4 GB/s at 64 MiB: 2.5 GB/s at 8 MiB)."""
+    from cost_model import Link
+
+    link = Link(
+        bandwidth=10e9,
+        latency=0.0,
+        bandwidth_by_kind={"all_gather": 5e9, "all_reduce": [(2**20, 1e9), (2**26, 4e9)]},
+    )
+    preset = make_preset().model_copy(update={"intra_node": link})
+    cost = MeshCost(MeshSpec((4,), ("dp",)), preset)
+    assert cost.all_gather(1e6, 0) == pytest.approx(1e6 * 3 / 4 / 5e9)
+    assert cost.reduce_scatter(1e6, 0) == pytest.approx(1e6 * 3 / 4 / 10e9)
+    eight = 8 * 2**20
+    assert cost.all_reduce(eight, 0) == pytest.approx(eight * 1.5 / 2.5e9)
+    assert cost.all_reduce(1024, 0) == pytest.approx(1024 * 1.5 / 1e9)  # below: the first
+
+
+def test_bandwidths_by_kind_must_name_collectives_and_grow_in_size():
+    from pydantic import ValidationError
+
+    from cost_model import Link
+
+    with pytest.raises(ValidationError, match="unknown collectives"):
+        Link(bandwidth=1e9, latency=0.0, bandwidth_by_kind={"allgather": 1e9})
+    with pytest.raises(ValidationError, match="sizes must grow"):
+        Link(bandwidth=1e9, latency=0.0, bandwidth_by_kind={"all_reduce": [(2.0, 1e9), (1.0, 1e9)]})

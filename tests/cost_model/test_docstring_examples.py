@@ -7,7 +7,16 @@ import importlib
 
 import pytest
 
-MODULES = ["hardware", "compute", "collectives", "reshard", "memory", "step", "reference"]
+MODULES = [
+    "hardware",
+    "compute",
+    "collectives",
+    "reshard",
+    "memory",
+    "optimizer",
+    "step",
+    "reference",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)

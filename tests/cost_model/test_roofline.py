@@ -80,3 +80,32 @@ def test_matmul_backward_is_twice_the_forward(make_preset):
     assert backward_time(flops, nbytes, "bfloat16", preset) == pytest.approx(
         2 * op_time(flops, nbytes, "bfloat16", preset)
     )
+
+
+def test_a_measured_matmul_curve_replaces_the_peak_read_between_its_points(make_preset):
+    """``op_rates``: 10 TFLOP/s at 1 GFLOP a call, 40 at 100 GFLOP; halfway on the log
+    scale (10 GFLOP) 25 TFLOP/s. Beyond the ends, the end's rate; other families and
+    dtypes keep the peak (100 TFLOP/s fp32 in the synthetic preset)."""
+    preset = make_preset().model_copy(
+        update={"op_rates": {"matmul": {"float32": [(1e9, 10e12), (100e9, 40e12)]}}}
+    )
+    assert op_time(10e9, 0, "float32", preset, "matmul") == pytest.approx(10e9 / 25e12)
+    assert op_time(1e6, 0, "float32", preset, "matmul") == pytest.approx(1e6 / 10e12)
+    assert op_time(1e12, 0, "float32", preset, "matmul") == pytest.approx(1e12 / 40e12)
+    # the backward of a call of 10 GFLOP does 20 GFLOP at that call's rate
+    assert op_time(20e9, 0, "float32", preset, "matmul", 10e9) == pytest.approx(20e9 / 25e12)
+    assert op_time(10e9, 0, "float32", preset, "attention") == pytest.approx(10e9 / 100e12)
+    assert op_time(10e9, 0, "bfloat16", preset, "matmul") == pytest.approx(10e9 / 400e12)
+
+
+def test_op_rates_refuse_unknown_families_dtypes_and_unordered_sizes(make_preset):
+    from pydantic import ValidationError
+
+    for bad in (
+        {"conv": {"float32": [(1.0, 1.0)]}},
+        {"matmul": {"fp32": [(1.0, 1.0)]}},
+        {"matmul": {"float32": [(2.0, 1.0), (1.0, 1.0)]}},
+        {"matmul": {"float32": [(1.0, 0.0)]}},
+    ):
+        with pytest.raises(ValidationError):
+            type(make_preset()).model_validate({**make_preset().model_dump(), "op_rates": bad})

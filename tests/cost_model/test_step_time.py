@@ -98,3 +98,13 @@ def test_bad_arguments_are_refused():
         mfu(1.0, 0.0, 1.0, 1)
     with pytest.raises(UsageError):
         exposed_gradient_sync(1.0, 1.0, 0)
+
+
+@pytest.mark.parametrize(("overlap", "exposed"), [(1.0, 1.0), (0.5, 2.5), (0.0, 4.0)])
+def test_compute_hides_only_its_share_of_the_gradient_sync(overlap, exposed):
+    """4 s of sync in 4 buckets behind 10 s of backward: all but the last bucket hides
+    (1 s exposed); where compute hides only ``overlap`` of what runs beside it, the rest
+    shows: ``(1 - f) C + f exposed``."""
+    assert exposed_gradient_sync(4.0, 10.0, 4, overlap) == pytest.approx(exposed)
+    # when communication is the bottleneck the backward hides only its share of itself
+    assert exposed_gradient_sync(4.0, 2.0, 4, overlap) == pytest.approx(4.0 - overlap * 1.5)
