@@ -12,9 +12,11 @@ tensor-parallel one (by default the last axis is ``tp`` and the others ``dp``).
   (``batch_dims``: GShard's group, in a mixture of experts).
 - ``fsdp``: every parameter that can be sharded is stored sharded on the data axes (ZeRO-3)
   and matmuls take the batch sharded on them.
-- ``tp``: matmul weights sharded on the tp axis (Megatron's column and row splits; which one
-  is up to the solver), replicated on the data axes; the batch sharded on the data axes;
-  the residual stream (adds of two [batch, sequence, hidden] tensors) replicated on tp.
+- ``tp``: matmul weights stored and used split on the tp axis (Megatron's column and row
+  splits; which one is up to the solver), replicated on the data axes; the batch sharded
+  on the data axes and never on the tp axis (a matmul's activation there is whole, or
+  split on the features a row-parallel weight contracts); the residual stream (adds of two
+  [batch, sequence, hidden] tensors) replicated on tp.
   Expert weights are split inside each expert, never on the expert dim (that is ``ep``).
 - ``tp+sp``: as ``tp``, but the residual stream (3-d adds) sharded on the sequence dim over
   the tp axis (Megatron's sequence parallelism).
@@ -95,6 +97,8 @@ def style_constraints(style: str, mesh: MeshSpec, tp_axis: int | None = None) ->
                     for a in dp_axes
                 )
                 return weight_ok and all(isinstance(strategy.inputs[act][a], Shard) for a in axes)
+            if tp is not None and not _megatron_on(strategy, choices, act, tp, mesh):
+                return False  # the tp axis splits weights as used (Megatron), not the batch
             experts = expert_matmul(choices)
             if tp is not None and experts is not None:
                 # tensor parallelism inside every expert; splitting the experts is ``ep``
@@ -109,6 +113,26 @@ def style_constraints(style: str, mesh: MeshSpec, tp_axis: int | None = None) ->
         return True
 
     return [rule]
+
+
+def _megatron_on(
+    strategy: Strategy, choices: NodeChoices, act: int, axis: int, mesh: MeshSpec
+) -> bool:
+    """Whether a matmul with a weight runs Megatron's way on ``axis``: the weight used
+    split there (not gathered first) and the activation whole or split only on the features
+    a row-parallel weight contracts (not over tokens, as data parallelism and FSDP run it).
+    A matmul without a weight, or an axis of one device, is free."""
+    weights = [i for i, p in enumerate(choices.params) if p is not None]
+    if choices.call is None or not weights or mesh.shape[axis] == 1:
+        return True
+    weight = weights[0]
+    if len(choices.call.inputs[weight].shape) >= 2 and not isinstance(
+        strategy.inputs[weight][axis], Shard
+    ):
+        return False
+    placement = strategy.inputs[act][axis]
+    rank = len(choices.call.inputs[act].shape)
+    return not isinstance(placement, Shard) or placement.dim == rank - 1
 
 
 def batch_dims(choices: NodeChoices) -> list[int | None]:

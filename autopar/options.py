@@ -29,7 +29,7 @@ class PlanOptions(BaseModel):
     zero: Literal[0, 1, 2] | None = Field(
         None,
         description="Force a ZeRO stage for the optimizer state (0, 1 or 2); "
-        "default: the least that fits the memory limit.",
+        "default: the fastest that fits the memory limit (ties to the lower stage).",
     )
     time_limit: float = Field(60.0, gt=0, description="Solver seconds.")
     stages: int | None = Field(None, ge=1, description="Pipeline stages (default: searched).")

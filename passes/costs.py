@@ -14,7 +14,8 @@ training step per device, or bytes per device.
 - **Activation memory** of an op: its saved-for-backward bytes divided by its output
   layout's shard factor (owner attribution, see ``passes.annotate``).
 - **Parameters**: value, gradient and optimizer-state bytes under the optimizer and
-  precision policy, each divided by its layout; gradient synchronisation: the gradient of
+  precision policy, each divided by its layout; the optimizer's step of the piece the
+  device steps (``cost_model.optimizer``); gradient synchronisation: the gradient of
   a parameter replicated over mesh axes is partial over them and is all-reduced there
   (reduce-scattered under ZeRO-1/2, plus an all-gather of the updated shard after the step).
 """
@@ -23,17 +24,42 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
+
+import torch
 
 from cost_model.collectives import MeshCost
 from cost_model.compute import op_time
 from cost_model.memory import param_state_bytes, precision_policy
-from passes.annotation import NodeAnnotation, TensorInfo, dtype_itemsize
+from cost_model.optimizer import optimizer_step_time
+from cost_model.reshard import ReshardStep
+from passes.annotation import META_KEY, NodeAnnotation, TensorInfo, dtype_itemsize
 from passes.mixed_precision import AutocastSaved
 from passes.strategies.types import Strategy
 from plans.buckets import BUCKET_BYTES, ddp_buckets
 from plans.placement import PARTIAL, REPLICATE, Layout, Partial, Replicate, Shard
+
+if TYPE_CHECKING:
+    from passes.trace import TracedModel
+
+
+# ATen ops by the family whose measured rate they run at (``DevicePreset.op_rates``)
+MATMUL_OPS = frozenset(
+    ("linear", "mm", "bmm", "addmm", "matmul", "einsum", "baddbmm", "addbmm", "_grouped_mm")
+)
+
+
+def op_family(op: str) -> str:
+    """``matmul``, ``attention`` or ``""`` for an ATen op name (``aten.linear.default``)."""
+    name = op.split(".")[1] if op.startswith("aten.") and op.count(".") >= 1 else op
+    if name in MATMUL_OPS:
+        return "matmul"
+    if "scaled_dot_product" in name:
+        return "attention"
+    return ""
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -58,6 +84,7 @@ class ParamCost:
     # ZeRO-1's), or once per microbatch (ZeRO-2's reduce-scatter; ``CostModel.sync_passes``)
     sync_s: float
     step_s: float = 0.0  # after the optimizer step, exposed: ZeRO's gather of the masters
+    optimizer_s: float = 0.0  # the optimizer's step of the piece this device steps
 
     @property
     def memory(self) -> float:
@@ -84,6 +111,10 @@ class CostModel:
     # what autograd keeps under the mixed precision's autocast (None: the traced dtypes, fp32
     # scaled to the compute dtype); ``passes.mixed_precision.autocast_saved``
     autocast_saved: AutocastSaved | None = None
+    # parameter placeholder -> its FSDP group (its layer's parameters, or those before or
+    # after the layers), whose gathers the runtime runs as one call, and its share of the
+    # group's bytes (``runtime.param_groups``; ``fsdp_group_shares``)
+    gather_share: Mapping[str, GroupShare] = field(default_factory=dict)
     _edge_cache: dict[object, tuple[float, float]] = field(
         default_factory=dict, repr=False, compare=False
     )
@@ -110,27 +141,25 @@ class CostModel:
         return nbytes * self.activation_scale if info_dtype == "float32" else nbytes
 
     def op_time(self, note: NodeAnnotation, strategy: Strategy) -> tuple[float, float]:
-        """(forward, backward) seconds of an op under ``strategy``."""
+        """(forward, backward) seconds of an op under ``strategy``: the roofline time of its
+        share of the work, with the host's time to issue it (``DevicePreset.op_overhead``;
+        a view launches no kernel, and costs only where the host's time adds)."""
+        preset = self.mesh_cost.preset
+        host = preset.op_overhead
         if note.kind == "view":
-            return 0.0, 0.0
+            if host.asynchronous:
+                return 0.0, 0.0
+            return host.forward, host.backward if note.requires_grad else 0.0
         dtype = self.compute_dtype
         scale = self.activation_scale
         split = max(strategy.split, 1)
-        fwd = op_time(
-            note.fwd_flops / split,
-            (note.bytes_read + note.bytes_written) * scale / split,
-            dtype,
-            self.mesh_cost.preset,
-        )
+        moved = (note.bytes_read + note.bytes_written) * scale / split
+        family, call = op_family(note.op), note.fwd_flops / split
+        fwd = host.time(op_time(call, moved, dtype, preset, family))
         if not note.requires_grad:
             return fwd, 0.0
-        bwd = op_time(
-            note.bwd_flops / split,
-            2 * (note.bytes_read + note.bytes_written) * scale / split,
-            dtype,
-            self.mesh_cost.preset,
-        )
-        return fwd, bwd
+        backward = op_time(note.bwd_flops / split, 2 * moved, dtype, preset, family, call)
+        return fwd, host.time(backward, backward=True)
 
     def saved_bytes(
         self, note: NodeAnnotation, strategy: Strategy, output: bool = True, node: str = ""
@@ -197,19 +226,24 @@ class CostModel:
         dst: Layout,
         requires_grad: bool,
         regathered: bool = False,
+        param: str = "",
     ) -> tuple[float, float]:
         """(forward, backward) seconds to bring a tensor from ``src`` to ``dst`` (cached).
 
         ``regathered``: a parameter gathered for an op that keeps it for backward; the
         runtime drops the gathered copy after the forward and gathers it again in the
         backward (``autopar.runtime.regather``, as FSDP does), so the backward pays the
-        forward's collectives once more."""
+        forward's collectives once more. ``param``: the parameter's placeholder, whose
+        gather from its own shard the runtime runs with the rest of its FSDP group
+        (``gather_share``)."""
         if src == dst:
             return 0.0, 0.0
-        key = (info, src, dst, requires_grad)
+        found = self.gather_share.get(param)
+        share = 1.0 if found is None else found.share
+        key = (info, src, dst, requires_grad, share)
         known = self._edge_cache.get(key)
         if known is None:
-            known = self._edge_cache[key] = self._edge_time(info, src, dst, requires_grad)
+            known = self._edge_cache[key] = self._edge_time(info, src, dst, requires_grad, share)
         if regathered:
             return known[0], known[1] + known[0]
         return known
@@ -223,14 +257,71 @@ class CostModel:
         return itemsize
 
     def _edge_time(
-        self, info: TensorInfo, src: Layout, dst: Layout, requires_grad: bool
+        self, info: TensorInfo, src: Layout, dst: Layout, requires_grad: bool, share: float
     ) -> tuple[float, float]:
-        itemsize = self.wire_itemsize(info)
-        fwd = self.mesh_cost.reshard(src, dst, info.shape, itemsize).time
+        forward, backward = self._reshard_steps(info, src, dst, requires_grad)
+        fwd = self._steps_time(forward, share, 0, "all_gather")
         if not requires_grad:
             return fwd, 0.0
-        bwd = self.mesh_cost.reshard(dual(dst), dual(src), info.shape, itemsize).time
-        return fwd, bwd
+        return fwd, self._steps_time(backward, share, len(backward) - 1, "reduce_scatter")
+
+    def _reshard_steps(
+        self, info: TensorInfo, src: Layout, dst: Layout, requires_grad: bool
+    ) -> tuple[tuple[ReshardStep, ...], tuple[ReshardStep, ...]]:
+        itemsize = self.wire_itemsize(info)
+        forward = self.mesh_cost.reshard(src, dst, info.shape, itemsize).steps
+        if not requires_grad:
+            return forward, ()
+        return forward, self.mesh_cost.reshard(dual(dst), dual(src), info.shape, itemsize).steps
+
+    def _steps_time(
+        self, steps: tuple[ReshardStep, ...], share: float, grouped: int, kind: str
+    ) -> float:
+        """A reshard's seconds, its step ``grouped`` run as ``share`` of a group's call when
+        it is the all-gather from a parameter's shard (forward: the first step) or the
+        reduce-scatter back into it (backward: the last), as ``runtime.param_groups`` runs
+        a layer's: one call for the group, its bytes paid in proportion at the bandwidth
+        of the group's bytes, its fixed cost (``call_fixed``) left to the group's call
+        (``group_call``), which the solver pays once for the group."""
+        total = 0.0
+        for index, step in enumerate(steps):
+            if index == grouped and share < 1.0 and step.kind == kind:
+                call = self.mesh_cost.collective(step.kind, step.nbytes / share, step.axes)
+                total += (call.time - self.call_fixed(kind, step.axes)) * share
+            else:
+                total += step.time
+        return total
+
+    def call_fixed(self, kind: str, axes: tuple[int, ...]) -> float:
+        """Seconds a call of ``kind`` over ``axes`` costs whatever its bytes (launch and hop
+        latencies): its time on one byte."""
+        return self.mesh_cost.collective(kind, 1.0, axes).time
+
+    def group_call(
+        self,
+        info: TensorInfo,
+        src: Layout,
+        dst: Layout,
+        requires_grad: bool,
+        regathered: bool = False,
+        param: str = "",
+    ) -> tuple[tuple[str, tuple[int, ...]], float] | None:
+        """The FSDP group call that the reshard of ``param`` from ``src`` to ``dst`` joins
+        (``edge_time`` priced its bytes): ``((group, mesh axes), seconds)``, the fixed cost
+        of the group's gather, its regather and its reduce-scatter, paid once a microbatch
+        for the whole group however many of its members join. None when it joins none."""
+        found = self.gather_share.get(param)
+        if src == dst or found is None or found.share >= 1.0:
+            return None
+        forward, backward = self._reshard_steps(info, src, dst, requires_grad)
+        if not forward or forward[0].kind != "all_gather":
+            return None
+        axes = forward[0].axes
+        gathers = 2 if regathered else 1
+        seconds = gathers * self.call_fixed("all_gather", axes)
+        if backward and backward[-1].kind == "reduce_scatter":
+            seconds += self.call_fixed("reduce_scatter", backward[-1].axes)
+        return (found.group, axes), seconds
 
     @cached_property
     def compute_itemsize(self) -> int:
@@ -249,16 +340,17 @@ class CostModel:
 
     def bucketed(self, kind: str, nbytes: float, axes: tuple[int, ...]) -> float:
         """Seconds of one parameter's share of a bucketed collective (gradient sync, ZeRO):
-        its bytes' time, and of the fixed cost of a call (launch and hop latencies) the
-        share its bytes take of a bucket (``bucket_bytes``). The runtime sums gradients in
-        DDP's 25 MiB buckets (``plans.buckets``), so it pays that cost once a bucket, not
-        once a parameter (a model of small tensors paid it hundreds of times in the ILP);
-        a model smaller than a bucket pays it once in all."""
-        whole = self.mesh_cost.collective(kind, nbytes, axes).time
-        if nbytes <= 0:
-            return whole
-        fixed = self.mesh_cost.collective(kind, 1.0, axes).time  # a byte: the fixed cost
-        return whole - fixed + fixed * min(1.0, nbytes / self.bucket_bytes)
+        a whole bucket's call (``bucket_bytes``) in proportion to its bytes. The runtime
+        sums gradients in DDP's 25 MiB buckets (``plans.buckets``), so it pays a call's
+        fixed cost (launch and hop latencies) once a bucket, not once a parameter (a model
+        of small tensors paid it hundreds of times in the ILP), and the bytes move at a
+        bucket's speed, not a small tensor's (``Link.bandwidth_by_kind``); a model smaller
+        than a bucket pays it once in all. A parameter larger than a bucket is a bucket of
+        its own."""
+        if nbytes <= 0 or nbytes >= self.bucket_bytes:
+            return self.mesh_cost.collective(kind, nbytes, axes).time
+        bucket = self.mesh_cost.collective(kind, self.bucket_bytes, axes).time
+        return bucket * nbytes / self.bucket_bytes
 
     def param_cost(self, info: TensorInfo, layout: Layout, node: str = "") -> ParamCost:
         """Memory and gradient-sync time of a parameter stored in ``layout`` (``node``: its
@@ -298,13 +390,59 @@ class CostModel:
         for axis in reversed(zero_axes):
             gathered *= self.mesh_shape[axis]
             step += self.bucketed("all_gather", gathered, (axis,))
+        stepped = info.numel / shard / zero_shard
+        master = self.stored_itemsize(info)  # the weights the optimizer steps
+        preset = self.mesh_cost.preset
+        # the runtime's copies into and out of its buckets (``bucket_copy_bytes``)
+        others = any(axis not in zero_axes for axis in replicated)
+        local, wire_size = info.numel / shard, self.wire_itemsize(info)
+        if zero_axes:
+            reduce_b, gather_b = zero_copy_bytes(
+                local, zero_shard, working, wire_size, master, others
+            )
+            sync += op_time(0.0, reduce_b, "float32", preset)
+            step += op_time(0.0, gather_b, "float32", preset)
+        elif others:
+            sync += op_time(0.0, bucket_copy_bytes(local, master, wire_size), "float32", preset)
         return ParamCost(
             params=params / shard,
             grads=grads / shard / (zero_shard if zero >= 2 else 1),
             optimizer=optimizer / shard / zero_shard,
             sync_s=sync,
             step_s=step,
+            optimizer_s=optimizer_step_time(stepped, self.optimizer, master, preset),
         )
+
+
+def bucket_copy_bytes(numel: float, stored: int, wire: int) -> float:
+    """Bytes a DDP bucket's gradient of ``numel`` values moves through memory per sync, as
+    ``runtime.grad_sync`` does: flattened into the bucket (read and write), and under mixed
+    precision cast to the wire dtype and back (``stored``, ``wire``: bytes per value)."""
+    moved = 2.0 * numel * stored
+    if wire != stored:
+        moved += 2.0 * numel * (stored + wire)
+    return moved
+
+
+def zero_copy_bytes(
+    numel: float, pieces: int, working: int, wire: int, master: int, others: bool
+) -> tuple[float, float]:
+    """Bytes a ZeRO bucket of ``numel`` local values moves through memory, as
+    ``runtime.zero`` does: per sum (the working gradient cast to the wire dtype, laid into
+    the reduce-scatter's rows, flattened for an all-reduce over ``others`` axes first; this
+    device's piece of ``numel / pieces`` taken out and added into the master's gradient),
+    and per gather of the stepped masters (cast to the working dtype, flattened, the
+    gathered rows copied into the working copies)."""
+    piece = numel / pieces
+    reduce = 2.0 * numel * wire + piece * (3 * wire + master)
+    if working != wire:
+        reduce += numel * (working + wire)
+    if others:
+        reduce += 2.0 * numel * wire
+    gather = 2.0 * numel * working + 2.0 * piece * working
+    if master != working:
+        gather += piece * (master + working)
+    return reduce, gather
 
 
 def zero_layout_of(layout: Layout, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> Layout:
@@ -338,3 +476,53 @@ def sync_buckets(params: list[tuple[tuple[int, ...], int]]) -> int:
     make fewer; counting them whole errs toward more hiding."""
     items = [(0, math.prod(shape) * itemsize) for shape, itemsize in reversed(params)]
     return max(len(ddp_buckets(items)), 1)
+
+
+@dataclass(frozen=True)
+class GroupShare:
+    """A parameter's FSDP group and its share of the group's bytes."""
+
+    group: str
+    share: float
+
+
+def fsdp_group_shares(traced: TracedModel) -> dict[str, GroupShare]:
+    """Each parameter placeholder's share of its FSDP group's bytes, as
+    ``runtime.param_groups`` groups a rank's gathers: a layer's parameters together; those
+    outside the layers by whether they are first read before the layers or after. The
+    share prices a member's bytes at the bandwidth of the whole group's, as if its other
+    members were sharded alike; the group's call's fixed cost is not shared but paid once
+    by whichever members join it (``CostModel.group_call``; the runtime's group holds
+    only those gathered over the same mesh axes)."""
+    container = traced.layers
+    order = {node.name: i for i, node in enumerate(traced.graph.nodes)}
+    first_layer = min(
+        (order[n.name] for n in traced.graph.nodes if _layer_of(n) is not None), default=0
+    )
+    groups: dict[str, list[tuple[str, float]]] = {}
+    for name, info in traced.params.items():
+        layer = container.index_of(name) if container is not None else None
+        if layer is not None:
+            key = f"layer{layer}"
+        else:
+            users = [u for n in info.nodes for u in _placeholder(traced, n).users]
+            first = min((order[u.name] for u in users), default=0)
+            key = "before" if first < first_layer else "after"
+        nbytes = float(math.prod(info.shape)) * dtype_itemsize(info.dtype)
+        groups.setdefault(key, []).extend((node, nbytes) for node in info.nodes)
+    shares = {}
+    for key, members in groups.items():
+        total = sum(nbytes for _, nbytes in members)
+        for node, nbytes in members:
+            shares[node] = GroupShare(key, nbytes / total if total else 1.0)
+    return shares
+
+
+def _layer_of(node: object) -> int | None:
+    note = getattr(node, "meta", {}).get(META_KEY)
+    return None if note is None or getattr(node, "op", "") == "placeholder" else note.layer
+
+
+def _placeholder(traced: TracedModel, name: str) -> torch.fx.Node:
+    (node,) = traced.graph.find_nodes(op="placeholder", target=name)
+    return node

@@ -25,6 +25,7 @@ Objective::
 
     min  sum_d sum_k s[d,k] (compute[d,k] + comm[d,k])
        + sum_edges sum_{p,q} R[p,q] e[p,q]
+       + sum_groups cost_g g        (a grouped call's fixed cost, once: ``GroupCall``)
        + P t
        + recomputed forward time (``RecomputeTerm``)
 
@@ -32,8 +33,10 @@ Constraints::
 
     sum_k s[d,k] = 1                                 for every decision d
     sum_q e[p,q] = sum_{k in p} s[d,k],  sum_p e[p,q] = sum_{l in q} s[d',l]   per edge
-    t >= sum s.overlappable - (k - 1) / k B_min,   t >= sum s.overlappable / k
-        (B_min: the backward at its least, sum_d min_k hidden_by[d,k]; a constant)
+    t >= sum s.overlappable - f (k - 1) / k B_min,
+    t >= (1 - f (k - 1) / k) sum s.overlappable
+        (B_min: the backward at its least, sum_d min_k hidden_by[d,k], a constant; f: the
+        share of it compute really hides, ``DevicePreset.comm_overlap``)
     sum_d sum_k s[d,k] memory[d,k] - freed <= memory limit   (bytes per device; freed:
         what the recomputed layer copies give back, ``RecomputeTerm``)
     s[d,k] = 0 for k not in allowed[d]               (forced strategies and hints)
@@ -141,6 +144,38 @@ class RecomputeBudget:
 
 
 @dataclass
+class GroupCall:
+    """A collective the runtime runs once for a group of parameters whatever how many of
+    them join it (an FSDP layer's gather over some mesh axes, ``runtime.param_groups``):
+    its fixed ``cost`` (seconds a step) is paid once when any member's chosen layouts run
+    it. Members are edge pairs (``edges``: index in ``IlpProblem.edges`` -> class pairs)
+    and choices of decisions whose edge is inside them (``choices``). With ``g`` in
+    [0, 1]::
+
+        g >= sum_{(p, q) in members of edge} e[edge, p, q]    for each member edge
+        g >= sum_{k in members of d} s[d, k]                   for each member decision
+        objective: + cost g
+
+    Each right side is 0 or 1 for whole choices, so ``g`` is their maximum: priced per
+    member instead, a group of small tensors paid a layer's call for each (FSDP priced
+    many times over), and priced as a share of one call, the solver sharded a few tiny
+    parameters for a fraction of a call the runtime pays whole."""
+
+    cost: float
+    edges: dict[int, frozenset[tuple[int, int]]] = field(default_factory=dict)
+    choices: dict[str, frozenset[int]] = field(default_factory=dict)
+
+    def runs(self, problem: IlpProblem, choice: dict[str, int]) -> bool:
+        """Whether ``choice`` runs the call."""
+        for e, members in self.edges.items():
+            edge = problem.edges[e]
+            pair = (edge.left_class[choice[edge.left]], edge.right_class[choice[edge.right]])
+            if pair in members:
+                return True
+        return any(choice[d] in members for d, members in self.choices.items())
+
+
+@dataclass
 class IlpProblem:
     """Coefficients per decision choice and per edge, as ``passes.solve`` builds them."""
 
@@ -154,8 +189,10 @@ class IlpProblem:
     memory_limit: float | None = None
     recompute: list[RecomputeTerm] = field(default_factory=list)
     recompute_budgets: list[RecomputeBudget] = field(default_factory=list)
+    group_calls: list[GroupCall] = field(default_factory=list)
     buckets: int = 1  # gradient-sync buckets (layers): see the exposed-communication rows
     sync_passes: int = 1  # how often a step runs the overlappable sync (P in the objective)
+    overlap: float = 1.0  # the share of hideable communication compute hides (f)
     # a lower bound instead: the backward hides all overlappable communication (the
     # exposed-communication rows dropped; whatever the ZeRO stage, that part costs >= 0)
     hide_all: bool = False
@@ -190,13 +227,73 @@ def dominates(better: IlpProblem, worse: IlpProblem) -> bool:
         and better.hidden_by == worse.hidden_by
         and better.buckets == worse.buckets
         and better.sync_passes == worse.sync_passes
+        and better.overlap == worse.overlap
         and better.memory_limit == worse.memory_limit
         and better.edges == worse.edges
+        and better.group_calls == worse.group_calls
         and better.recompute == worse.recompute
         and better.recompute_budgets == worse.recompute_budgets
         and no_larger(better.overlappable, worse.overlappable)
         and no_larger(better.memory, worse.memory)
     )
+
+
+def objective_at(problem: IlpProblem, choice: dict[str, int]) -> float:
+    """The objective of ``choice`` in ``problem`` (without recomputation): the choices' own
+    costs, the edges' pairs, and the exposed communication the rows leave (``t`` at its
+    least)."""
+    total = sum(problem.cost.get(d, [0.0] * (k + 1))[k] for d, k in choice.items())
+    for edge in problem.edges:
+        pair = (edge.left_class[choice[edge.left]], edge.right_class[choice[edge.right]])
+        total += edge.cost.get(pair, 0.0)
+    total += sum(call.cost for call in problem.group_calls if call.runs(problem, choice))
+    overlapped = sum(problem.overlappable.get(d, [0.0] * (k + 1))[k] for d, k in choice.items())
+    if problem.hide_all:
+        return total
+    k = max(problem.buckets, 1)
+    hides = problem.overlap * (k - 1) / k
+    hiding = sum(min(row) for row in problem.hidden_by.values() if row)
+    exposed = max(overlapped - hides * hiding, (1 - hides) * overlapped, 0.0)
+    return total + problem.sync_passes * exposed
+
+
+def cannot_beat(base: IlpProblem, other: IlpProblem) -> bool:
+    """Whether no choice costs ``other`` less time than the same choice costs ``base``, so
+    ``other``'s optimum cannot beat ``base``'s (memory set aside): the same problem but for
+    each choice's own cost and overlappable communication (another ZeRO stage: its
+    parameters' step, sync and gathers), the difference bounded from below decision by
+    decision. Then solving ``other`` without a memory limit could at best tie.
+
+    With ``D`` the least difference of overlappable communication over the choices and
+    ``h`` the share of it one backward may hide, the exposed part ``t`` differs by at least
+    ``min(D, (1 - h) D)`` (``t`` is the larger of two functions of it, one of slope 1, one
+    of slope ``1 - h``), counted ``P`` times, the fewer of the two problems' passes."""
+    if (
+        base.choices != other.choices
+        or base.allowed != other.allowed
+        or base.edges != other.edges
+        or base.group_calls != other.group_calls
+        or base.hidden_by != other.hidden_by
+        or base.buckets != other.buckets
+        or base.overlap != other.overlap
+        or base.recompute != other.recompute
+        or base.sync_passes > other.sync_passes
+    ):
+        return False
+
+    def least(mine: dict[str, list[float]], theirs: dict[str, list[float]]) -> float:
+        total = 0.0
+        for name, count in base.choices.items():
+            ours, yours = mine.get(name, [0.0] * count), theirs.get(name, [0.0] * count)
+            allowed = base.allowed.get(name, set(range(count)))
+            total += min(yours[k] - ours[k] for k in allowed) if allowed else 0.0
+        return total
+
+    k = max(base.buckets, 1)
+    hides = base.overlap * (k - 1) / k
+    overlappable = least(base.overlappable, other.overlappable)
+    exposed = min(overlappable, (1 - hides) * overlappable)
+    return least(base.cost, other.cost) + base.sync_passes * exposed >= 0
 
 
 def solve_ilp(
@@ -239,6 +336,7 @@ def solve_ilp(
     n_edge = 0
     edge_memory: list[object] = []
     pairs: list[dict[tuple[int, int], object]] = []  # per edge: (p, q) -> its product
+    grouped = {e for call in problem.group_calls for e in call.edges}
     for edge in problem.edges:
         pairs.append(
             _add_edge(
@@ -249,9 +347,17 @@ def solve_ilp(
                 objective,
                 edge_memory,
                 len(pairs),
+                len(pairs) in grouped,
             )
         )
         n_edge += sum(isinstance(v, pulp.LpVariable) for v in pairs[-1].values())
+    for g, call in enumerate(problem.group_calls):
+        runs = model.add_variable(f"g_{g}", lowBound=0, upBound=1)
+        for e, members in call.edges.items():
+            model += runs >= pulp.lpSum(pairs[e][pq] for pq in members)
+        for d, chosen in call.choices.items():
+            model += runs >= pulp.lpSum(select[d][k] for k in chosen)
+        objective.append(call.cost * runs)
     exposed = model.add_variable("exposed_comm", lowBound=0)
     overlap_terms = [
         coefficient * value
@@ -265,9 +371,10 @@ def solve_ilp(
     hiding = sum(min(row) for row in problem.hidden_by.values() if row)
     overlapped = pulp.lpSum(overlap_terms)
     k = max(problem.buckets, 1)
+    hides = problem.overlap * (k - 1) / k  # cost_model.step.exposed_gradient_sync
     if not problem.hide_all:
-        model += exposed >= overlapped - (k - 1) / k * hiding
-        model += exposed >= overlapped / k
+        model += exposed >= overlapped - hides * hiding
+        model += exposed >= (1 - hides) * overlapped
     objective.append(problem.sync_passes * exposed)
 
     saved_terms, recompute_vars = _add_recompute(model, problem, select, pairs, objective)
@@ -324,7 +431,7 @@ def solve_ilp(
         ),
         time_s=elapsed,
         time_limit_s=time_limit,
-        variables=n_binary + n_edge + 1,
+        variables=n_binary + n_edge + len(problem.group_calls) + 1,
         constraints=model.numConstraints(),
         objective=float(objective_value) if objective_value is not None else None,
         gap=_gap(model, used),
@@ -439,11 +546,12 @@ def _add_edge(
     terms: list[object],
     memory: list[object],
     index: int,
+    grouped: bool = False,
 ) -> dict[tuple[int, int], object]:
     """Add one edge's class variables and marginal constraints, its cost terms to ``terms``
     and its memory terms to ``memory``; returns each class pair's product (a variable, or
-    an expression when one side is fixed)."""
-    if not any(edge.cost.values()) and not any(edge.memory.values()):
+    an expression when one side is fixed). ``grouped``: a group call reads its pairs."""
+    if not grouped and not any(edge.cost.values()) and not any(edge.memory.values()):
         return {}
     left_sum: dict[int, list[pulp.LpVariable | float]] = {}
     right_sum: dict[int, list[pulp.LpVariable | float]] = {}

@@ -37,8 +37,10 @@ from dataclasses import dataclass
 import torch
 
 from cost_model.collectives import MeshCost
-from cost_model.step import exposed_gradient_sync
+from cost_model.compute import op_time
+from cost_model.step import exposed_gradient_sync, prefetch_waits
 from passes.annotation import META_KEY
+from passes.costs import CostModel, bucket_copy_bytes, zero_copy_bytes
 from passes.from_plan import PlanLayouts
 from passes.mixed_precision import (
     COMPUTE,
@@ -83,6 +85,7 @@ class Reshard:
     param: str | None  # the parameter it reshards (None: an activation)
     starts_local: bool = False  # a local step (slice, zero, pad) comes before any collective
     saved: bool = False  # a consumer keeps the result for backward
+    savers: frozenset[str] = frozenset()  # the consumers that keep it (traced node names)
     skipped_adjoints: int = 0  # trailing output all-reduces whose adjoint is skipped
 
     @property
@@ -99,12 +102,21 @@ class Reshard:
 
 class Ledger:
     """Entries as they are added: each call priced on its own axis, as the runtime runs it;
-    ``stage``: the pipeline stage whose devices issue them (0 without a pipeline)."""
+    ``stage``: the pipeline stage whose devices issue them (0 without a pipeline);
+    ``compute``: each part's (forward, backward) compute per microbatch, behind which the
+    FSDP groups' prefetched gathers hide (``place_compute``)."""
 
-    def __init__(self, mesh: MeshSpec, microbatches: int, stage: int = 0) -> None:
+    def __init__(
+        self,
+        mesh: MeshSpec,
+        microbatches: int,
+        stage: int = 0,
+        compute: Mapping[str, tuple[float, float]] | None = None,
+    ) -> None:
         self.cost = MeshCost(mesh)
         self.microbatches = microbatches
         self.stage = stage
+        self.compute = compute or {}
         self.entries: list[CommEntry] = []
 
     def add(
@@ -118,11 +130,14 @@ class Ledger:
         *,
         per_step: bool = False,
         overlap: str = "none",
+        copied: float = 0.0,
     ) -> None:
-        """One call site: every microbatch, or once per step (``per_step``)."""
+        """One call site: every microbatch, or once per step (``per_step``); ``copied``:
+        bytes the runtime moves through memory around each call (its buckets' copies)."""
         mesh = self.cost.mesh
         calls = 1 if per_step else self.microbatches
         time = self.cost.collective(kind, nbytes, (axis,)).time
+        time += op_time(0.0, copied, "float32", self.cost.preset)
         self.add_entry(
             kind,
             (mesh.axis_names[axis],),
@@ -193,9 +208,9 @@ def step_ledger(traced: TracedModel, plan: Plan, *, batch_scale: float = 1.0) ->
     ``batch_scale``: the microbatch over the traced batch, when the plan runs a microbatch
     of another size than was traced (activations scale, parameters do not)."""
     mesh = plan.stage_mesh or plan.mesh
-    ledger = Ledger(mesh, plan.parallelism.microbatches)
     walk = Walk(traced, plan, mesh, batch_scale)
     reshards = walk.run()
+    ledger = Ledger(mesh, plan.parallelism.microbatches, compute=place_compute(walk))
     reshard_entries(ledger, traced, plan, reshards, walk.cast)
     order = param_order(traced)
     gradient_sync_entries(order, plan, ledger)
@@ -214,23 +229,73 @@ def reshard_entries(
     groups of parameter gathers, the others one by one."""
     compute = WIRE_DTYPE.get(plan.precision)
     groups, singles = _fsdp_groups(traced, plan, reshards, cast)
+    gathers, regathers = [], []  # (entry index, part) of the groups' gathers, in order
     for (axis, _, place), members in groups.items():
         # gathered in the compute dtype when its parameters are (passes.mixed_precision)
         dtype = compute if compute and members[0].param in cast else members[0].dtype
         nbytes = sum(r.calls[0].elements for r in members) * itemsize(dtype)
         what = f"{place}, {len(members)} params"
+        gathers.append((len(ledger.entries), place))
         ledger.add("all_gather", axis, dtype, nbytes, "forward", f"FSDP gather: {what}")
         if any(r.requires_grad for r in members):
             ledger.add("reduce_scatter", axis, dtype, nbytes, "backward", f"FSDP gather: {what}")
         if any(r.regathered for r in members):  # fetched from the group again, once
+            regathers.append((len(ledger.entries), place))
             ledger.add("all_gather", axis, dtype, nbytes, "backward", f"FSDP regather: {what}")
         for reshard in members:  # the steps after the group's gather, on its output
             if len(reshard.calls) > 1:
                 ledger.reshard(reshard, reshard.calls[1:], dtype, f"reshard of {reshard.param}")
+    hide_prefetched(ledger, gathers, forward=True)
+    hide_prefetched(ledger, list(reversed(regathers)), forward=False)
     for reshard in singles:
         ledger.reshard(
             reshard, reshard.calls, reshard.dtype, f"reshard of {reshard.param or reshard.producer}"
         )
+
+
+def hide_prefetched(ledger: Ledger, chain: list[tuple[int, str]], forward: bool) -> None:
+    """The FSDP groups' gathers of ``chain`` (entry index, part; in the order the runtime
+    makes them) as prefetched (``runtime.param_groups``): each launched while the group
+    before it in the chain computes, the first behind nothing
+    (``cost_model.step.prefetch_waits``, with compute hiding the preset's share of what
+    runs beside it); ``forward``: the forward's gathers, behind each part's forward, else
+    the backward's regathers (last layer first), behind each part's backward. Each
+    entry shows what its part waits for it (``prefetch_waits``)."""
+    if not chain:
+        return
+    entries = ledger.entries
+    calls = max(entries[chain[0][0]].calls_per_step, 1)
+    gather_s = [entries[i].time_s / calls for i, _ in chain]
+    side = 0 if forward else 1
+    compute_s = [ledger.compute.get(place, (0.0, 0.0))[side] for _, place in chain]
+    overlap = ledger.cost.preset.comm_overlap
+    for (i, _), wait in zip(chain, prefetch_waits(gather_s, compute_s, overlap), strict=True):
+        entry = entries[i]
+        entries[i] = entry.model_copy(
+            update={"overlap": "compute", "exposed_s": min(entry.time_s, calls * wait)}
+        )
+
+
+def place_compute(walk: Walk) -> dict[str, tuple[float, float]]:
+    """Each part's (forward, backward) compute per microbatch, in the names the FSDP groups
+    go by (``_fsdp_groups``): ``layer 3``, or ``after 2 layers`` for what runs outside the
+    layers after the first two; as the cost model prices each op under the plan."""
+    cost = CostModel(walk.cost, precision=walk.plan.precision)
+    found: dict[str, tuple[float, float]] = {}
+    seen: set[int] = set()
+    for node in walk.traced.graph.nodes:
+        note = node.meta[META_KEY]
+        if node.name not in walk.layouts.strategies:
+            continue  # an input, a getitem: no work of its own
+        if note.layer is not None:
+            seen.add(note.layer)
+            place = f"layer {note.layer}"
+        else:
+            place = f"after {len(seen)} layers"
+        fwd, bwd = cost.op_time(note, walk.layouts.strategies[node.name])
+        old = found.get(place, (0.0, 0.0))
+        found[place] = (old[0] + fwd * walk.scale, old[1] + bwd * walk.scale)
+    return found
 
 
 class Walk:
@@ -247,6 +312,7 @@ class Walk:
         self.param_of = {n: name for name, info in traced.params.items() for n in info.nodes}
         self.cast = cast_for_gather(traced, plan.precision)
         self.autocast = autocast_dtypes(traced, plan.precision)
+        self.cost = MeshCost(mesh)
         self.made: dict[tuple[str, Layout], Reshard | None] = {}
         self.reshards: list[Reshard] = []
 
@@ -261,8 +327,13 @@ class Walk:
                 strategy = self.layouts.strategy(node.name)
                 for index, source in enumerate(tensor_inputs(node)):
                     made = self._value(source.producer, strategy.inputs[index])
-                    if made is not None and index in note.saved_inputs:
-                        made.saved = made.saved or not self._autocast_copy(made, note.op)
+                    if (
+                        made is not None
+                        and index in note.saved_inputs
+                        and not self._autocast_copy(made, note.op)
+                    ):
+                        made.saved = True
+                        made.savers = made.savers | {node.name}
                 if len(strategy.outputs) == 1:
                     self.made[(node.name, strategy.outputs[0])] = None
         return self.reshards
@@ -465,18 +536,20 @@ def gradient_sync_entries(
     for number, bucket in enumerate(ddp_buckets(items)):
         axes, stored, _, _ = synced[bucket[0]]
         dtype = _wire_dtype(plan, stored)
-        nbytes = sum(synced[i][2] for i in bucket) * itemsize(dtype)
+        numel = sum(synced[i][2] for i in bucket)
+        copied = bucket_copy_bytes(numel, itemsize(stored), itemsize(dtype))
         what = f"gradient sync: bucket {number}, {len(bucket)} params"
         for axis in axes:
             ledger.add(
                 "all_reduce",
                 axis,
                 dtype,
-                nbytes,
+                numel * itemsize(dtype),
                 "backward" if in_backward else "step",
                 what,
                 per_step=True,
                 overlap="backward" if in_backward else "none",
+                copied=copied if axis == axes[0] else 0.0,
             )
 
 
@@ -495,7 +568,7 @@ def zero_entries(
     ``cast`` (parameters only matmuls read, ``passes.mixed_precision``)."""
     mesh_shape = ledger.cost.mesh.shape
     parts = part_of or {}
-    members = []
+    members, names = [], []
     for name in order:
         param = plan.params[name]
         found = zero_axes(param.param, param.optimizer, mesh_shape)
@@ -516,29 +589,54 @@ def zero_entries(
         numel = _local_numel(param, mesh_shape)
         key = (parts.get(name, 0), axes, others, stage2, working) if even else None
         members.append((key, numel * itemsize(working), numel, axes, others, stage2, working))
+        names.append(name)
     for number, bucket in enumerate(open_buckets([(m[0], m[1]) for m in members])):
         _, _, _, axes, others, stage2, working = members[bucket[0]]
         numel = sum(members[i][2] for i in bucket)
         what = f"ZeRO-{2 if stage2 else 1}: bucket {number}, {len(bucket)} params"
         wire = _wire_dtype(plan, working)
         size = float(numel * itemsize(wire))
+        pieces = math.prod(mesh_shape[a] for a in axes)
+        master = itemsize(stored_dtype(plan, plan.params[names[bucket[0]]]))
+        reduce_b, gather_b = zero_copy_bytes(
+            numel, pieces, itemsize(working), itemsize(wire), master, bool(others)
+        )
         sums = [("all_reduce", a) for a in others] + [("reduce_scatter", a) for a in axes]
-        for kind, axis in sums:
+        for index, (kind, axis) in enumerate(sums):
             ledger.add(
-                kind, axis, wire, size, "backward", what, per_step=not stage2, overlap="backward"
+                kind,
+                axis,
+                wire,
+                size,
+                "backward",
+                what,
+                per_step=not stage2,
+                overlap="backward",
+                copied=reduce_b if index == 0 else 0.0,
             )
             if kind == "reduce_scatter":
                 size /= mesh_shape[axis]
-        gathered = numel * itemsize(working) / math.prod(mesh_shape[a] for a in axes)
-        for axis in reversed(axes):
+        gathered = numel * itemsize(working) / pieces
+        for index, axis in enumerate(reversed(axes)):
             gathered *= mesh_shape[axis]
             ledger.add(
-                "all_gather", axis, working, gathered, "step", f"{what}, masters", per_step=True
+                "all_gather",
+                axis,
+                working,
+                gathered,
+                "step",
+                f"{what}, masters",
+                per_step=True,
+                copied=gather_b if index == 0 else 0.0,
             )
 
 
 def hide_overlapped(
-    entries: list[CommEntry], microbatches: int, backward_s: float, slack_s: float = 0.0
+    entries: list[CommEntry],
+    microbatches: int,
+    backward_s: float,
+    slack_s: float = 0.0,
+    overlap: float = 1.0,
 ) -> list[CommEntry]:
     """``entries`` with the exposed seconds of those backward may hide (gradient sync,
     ZeRO's sums), as the runtime runs them: each microbatch's backward hides what it
@@ -546,17 +644,20 @@ def hide_overlapped(
     one microbatch's backward): every microbatch, the sums paid per microbatch (ZeRO-2);
     the last, those paid once a step as well (DDP's sync, ZeRO-1's). ``slack_s``: idle
     time after the last backward that hides the rest (a pipeline stage that finishes
-    before the first). The exposed time is shared in proportion to time."""
+    before the first); ``overlap``: the share of it compute really hides
+    (``DevicePreset.comm_overlap``). The exposed time is shared in proportion to time."""
     overlapped = [e for e in entries if e.overlap == "backward"]
     every = [e for e in overlapped if e.calls_per_step == microbatches and microbatches > 1]
     once = [e for e in overlapped if e not in every]
     per_pass = sum(e.time_s for e in every) / microbatches
     last = per_pass + sum(e.time_s for e in once)
-    exposed = (microbatches - 1) * exposed_gradient_sync(per_pass, backward_s, max(len(every), 1))
+    exposed = (microbatches - 1) * exposed_gradient_sync(
+        per_pass, backward_s, max(len(every), 1), overlap
+    )
     if last > 0:
+        buckets = max(len(every) + len(once), 1)
         exposed += max(
-            exposed_gradient_sync(last, backward_s, max(len(every) + len(once), 1)) - slack_s,
-            0.0,
+            exposed_gradient_sync(last, backward_s, buckets, overlap) - overlap * slack_s, 0.0
         )
     total = sum(e.time_s for e in overlapped)
     share = exposed / total if total > 0 else 0.0
@@ -577,14 +678,18 @@ def by_kind(entries: list[CommEntry]) -> dict[str, float]:
 
 
 def with_ledger(
-    estimate: Estimate, entries: list[CommEntry], microbatches: int, backward_s: float
+    estimate: Estimate,
+    entries: list[CommEntry],
+    microbatches: int,
+    backward_s: float,
+    overlap: float = 1.0,
 ) -> Estimate:
     """``estimate`` (without a pipeline) with its communication figures summed over
     ``entries``: every entry's exposed seconds (what blocks: all of it; what backward may
     hide: ``hide_overlapped``, ``backward_s`` one microbatch's backward), the bytes sent,
     all communication time, and the step time (compute and bubble as before, plus the
     exposed communication)."""
-    priced = hide_overlapped(entries, microbatches, backward_s)
+    priced = hide_overlapped(entries, microbatches, backward_s, overlap=overlap)
     exposed = sum(e.exposed_s for e in priced)
     return estimate.model_copy(
         update={

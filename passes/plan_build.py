@@ -312,11 +312,13 @@ def _estimate(
     passes = parts.problem.sync_passes
     sync = sum(parts.sync[d][k] for d, k in choice.items()) * passes
     after_step = sum(parts.after_step[d][k] for d, k in choice.items())
+    optimizer = sum(parts.optimizer_step[d][k] for d, k in choice.items())
     compute_step = compute * microbatches
     backward = sum(parts.compute_bwd[d][k] for d, k in choice.items())
-    hidden = passes * exposed_gradient_sync(sync / passes, backward, parts.problem.buckets)
+    overlap = parts.problem.overlap
+    hidden = passes * exposed_gradient_sync(sync / passes, backward, parts.problem.buckets, overlap)
     hidden += after_step
-    step = compute_step + inline * microbatches + hidden
+    step = compute_step + inline * microbatches + hidden + optimizer
     params_b = sum(parts.model_states[d][k][0] for d, k in choice.items())
     grads_b = sum(parts.model_states[d][k][1] for d, k in choice.items())
     optim_b = sum(parts.model_states[d][k][2] for d, k in choice.items())
@@ -344,6 +346,7 @@ def _estimate(
             total=params_b + grads_b + optim_b + acts,
         ),
         compute_s=compute_step,
+        optimizer_s=optimizer,
         comm_s=inline * microbatches + sync + after_step,
         exposed_comm_s=inline * microbatches + hidden,
         collectives=collectives,

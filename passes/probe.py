@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
+
+from cost_model.flops import cpu_flash_flop_mapping
 
 aten = torch.ops.aten
 
@@ -51,32 +52,6 @@ class OpProbe:
     input_aliases: tuple[int | None, ...]  # per output: the input whose storage it views
     ok: bool = True
     error: str = ""
-
-
-def _already_shaped(formula: Callable[..., int]) -> Callable[..., int]:
-    """Registry formulas already take tensors; tell FlopCounterMode not to wrap them again."""
-
-    def call(*args: Any, **kwargs: Any) -> int:
-        return formula(*args, **kwargs)
-
-    call._get_raw = True  # type: ignore[attr-defined]
-    return call
-
-
-def _cpu_flash_flop_mapping() -> dict[Any, Callable[..., int]]:
-    registry = flop_counter.flop_registry
-    mapping: dict[Any, Callable[..., int]] = {}
-    forward = registry.get(aten._scaled_dot_product_flash_attention)
-    backward = registry.get(aten._scaled_dot_product_flash_attention_backward)
-    if forward is not None and hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        mapping[aten._scaled_dot_product_flash_attention_for_cpu] = _already_shaped(forward)
-    if backward is not None and hasattr(
-        aten, "_scaled_dot_product_flash_attention_for_cpu_backward"
-    ):
-        mapping[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _already_shaped(
-            backward
-        )
-    return mapping
 
 
 def tensor_leaves(value: Any) -> list[torch.Tensor]:
@@ -113,7 +88,7 @@ class OpProber:
     def __init__(self) -> None:
         self._mode = FakeTensorMode(allow_non_fake_inputs=False)
         self._cache: dict[Hashable, OpProbe] = {}
-        self._flop_mapping = _cpu_flash_flop_mapping()
+        self._flop_mapping = cpu_flash_flop_mapping()
 
     def probe(self, node: torch.fx.Node, needs_grad: Callable[[torch.fx.Node], bool]) -> OpProbe:
         """Probe the op of ``node``; ``needs_grad(arg)`` says which input nodes need grad."""

@@ -3,11 +3,15 @@
 For every decision choice: the compute time of its members and followers (forward and
 backward), their activation memory, the parameters' memory and gradient synchronisation
 (overlappable with one microbatch's backward pass, ``CostModel.sync_passes`` times a
-step) and what runs after the optimizer step (ZeRO's gathers of the masters). For every
+step), the optimizer's step of the piece each device steps, and what runs after it
+(ZeRO's gathers of the masters). For every
 edge between two decisions: the resharding time matrix, forward plus the adjoint
 backward. Edges out of a parameter (the all-gather of an FSDP-sharded weight, and its
-reduce-scatter in backward) are inline like any other: the runtime does not prefetch
-them (yet), so nothing hides them.
+reduce-scatter in backward) are inline like any other, their bytes priced at the speed of
+their FSDP group's one call and the call's fixed cost paid once for the group
+(``ilp.GroupCall``). The runtime prefetches each group's gather behind the group before
+(``runtime.param_groups``), which the plan's ledger counts; the ILP does not, so it errs
+toward gathers costing more than they do.
 
 Costs are computed once per *representative* edge and node and multiplied by how many
 identical layers repeat them, so building the problem stays flat in depth.
@@ -21,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from passes.annotation import TensorInfo
 from passes.costs import CostModel
 from passes.decisions import Decisions
-from passes.ilp import EdgeTerm, IlpProblem, Matrix
+from passes.ilp import EdgeTerm, GroupCall, IlpProblem, Matrix
 from plans.placement import Layout
 
 
@@ -56,6 +60,7 @@ class ProblemParts:
     model_states: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
     sync: dict[str, list[float]] = field(default_factory=dict)  # one pass (sync_passes)
     after_step: dict[str, list[float]] = field(default_factory=dict)  # once a step, exposed
+    optimizer_step: dict[str, list[float]] = field(default_factory=dict)  # once a step
     # each edge with its forward and backward matrices (over class pairs)
     edge_terms: list[tuple[EdgeTerm, Matrix, Matrix]] = field(default_factory=list)
     self_edge: dict[str, list[float]] = field(default_factory=dict)
@@ -63,6 +68,8 @@ class ProblemParts:
     # (producer, output, consumer, input) of representatives -> the resharded copy that
     # consumer keeps for backward, per layer copy (what recomputing the consumer frees)
     kept_copies: dict[tuple[str, int, str, int], KeptCopy] = field(default_factory=dict)
+    # (FSDP group, mesh axes) -> the fixed cost of its calls, once a microbatch
+    group_calls: dict[tuple[str, tuple[int, ...]], GroupCall] = field(default_factory=dict)
 
     def edge_memory(self, choice: dict[str, int]) -> float:
         """Bytes per device of the resharded copies the chosen strategies keep."""
@@ -80,7 +87,8 @@ class ProblemParts:
             p = term.left_class[choice[term.left]]
             q = term.right_class[choice[term.right]]
             inline += term.cost.get((p, q), 0.0)
-        return inline
+        calls = self.group_calls.values()
+        return inline + sum(c.cost for c in calls if c.runs(self.problem, choice))
 
 
 def build_problem(
@@ -90,13 +98,17 @@ def build_problem(
     memory_limit: float | None,
     allowed: dict[str, set[int]] | None = None,
     microbatches: int = 1,
+    edges_of: ProblemParts | None = None,
 ) -> ProblemParts:
     """The ILP's coefficients. ``microbatches``: a step runs that many forward and backward
     passes (gradient accumulation, pipelines) but synchronises gradients once (ZeRO-2:
     every microbatch), so the objective weighs per-microbatch time (compute, resharding,
     parameter gathers) by it, and the sync is hidden behind one microbatch's backward per
     pass, as the runtime runs it (DDP's ``no_sync`` until the last backward); the returned
-    breakdowns stay per microbatch."""
+    breakdowns stay per microbatch. ``edges_of``: a problem of the same decisions and cost
+    model but another ZeRO stage, whose resharding terms this one shares (they do not
+    depend on the stage, unless a weight autocast copies is held cast by ZeRO: the caller
+    knows, ``reuses_edges``)."""
     choices = {name: len(d.strategies) for name, d in decisions.decisions.items()}
     parts = ProblemParts(
         IlpProblem(choices=choices, memory_limit=memory_limit, allowed=dict(allowed or {}))
@@ -108,19 +120,33 @@ def build_problem(
         parts.model_states[name] = [(0.0, 0.0, 0.0)] * count
         parts.sync[name] = [0.0] * count
         parts.after_step[name] = [0.0] * count
+        parts.optimizer_step[name] = [0.0] * count
         parts.self_edge[name] = [0.0] * count
         parts.self_memory[name] = [0.0] * count
     _node_costs(decisions, cost, representatives, parts)
-    _edge_costs(decisions, cost, representatives, parts)
+    if edges_of is None:
+        _edge_costs(decisions, cost, representatives, parts)
+    else:
+        parts.edge_terms = list(edges_of.edge_terms)
+        parts.self_edge = {name: list(row) for name, row in edges_of.self_edge.items()}
+        parts.self_memory = {name: list(row) for name, row in edges_of.self_memory.items()}
+        parts.kept_copies = dict(edges_of.kept_copies)
+        parts.group_calls = dict(edges_of.group_calls)
     problem = parts.problem
     problem.sync_passes = cost.sync_passes(microbatches)
+    problem.overlap = cost.mesh_cost.preset.comm_overlap
     for name in choices:
         fwd, bwd = parts.compute_fwd[name], parts.compute_bwd[name]
         problem.hidden_by[name] = list(bwd)
         problem.cost[name] = [
-            microbatches * (f + b + e) + after
-            for f, b, e, after in zip(
-                fwd, bwd, parts.self_edge[name], parts.after_step[name], strict=True
+            microbatches * (f + b + e) + after + optimizer
+            for f, b, e, after, optimizer in zip(
+                fwd,
+                bwd,
+                parts.self_edge[name],
+                parts.after_step[name],
+                parts.optimizer_step[name],
+                strict=True,
             )
         ]
         problem.overlappable[name] = list(parts.sync[name])
@@ -138,6 +164,9 @@ def build_problem(
         if microbatches != 1
         else term
         for term, _, _ in parts.edge_terms
+    ]
+    problem.group_calls = [
+        replace(call, cost=microbatches * call.cost) for call in parts.group_calls.values()
     ]
     return parts
 
@@ -170,6 +199,7 @@ def _node_costs(
                 )
                 parts.sync[name][k] += times * pc.sync_s
                 parts.after_step[name][k] += times * pc.step_s
+                parts.optimizer_step[name][k] += times * pc.optimizer_s
                 continue
             fwd, bwd = cost.op_time(note, strategy)
             parts.compute_fwd[name][k] += times * fwd
@@ -228,9 +258,19 @@ def _edge_costs(
             (producer, consumer) in cost.autocast_saved.weight_casts
         )
         cast_m: Matrix = {}
+        joins: dict[tuple[str, tuple[int, ...]], set[tuple[int, int]]] = {}
         for p, src in enumerate(left_classes):
             for q, dst in enumerate(right_classes):
-                fwd, bwd = cost.edge_time(info, src, dst, note.requires_grad, regathered)
+                fwd, bwd = cost.edge_time(
+                    info, src, dst, note.requires_grad, regathered, param=producer
+                )
+                call = cost.group_call(
+                    info, src, dst, note.requires_grad, regathered, param=producer
+                )
+                if call is not None:
+                    group = parts.group_calls.setdefault(call[0], GroupCall(0.0))
+                    group.cost = max(group.cost, times * call[1])
+                    joins.setdefault(call[0], set()).add((p, q))
                 if fwd or bwd:
                     fwd_m[(p, q)] = times * fwd
                     bwd_m[(p, q)] = times * bwd
@@ -256,9 +296,16 @@ def _edge_costs(
             for k, (p, q) in enumerate(zip(left_class, right_class, strict=True)):
                 parts.self_edge[left][k] += fwd_m.get((p, q), 0.0) + bwd_m.get((p, q), 0.0)
                 parts.self_memory[left][k] += memory_m.get((p, q), 0.0)
+            for group, members in joins.items():
+                chosen = parts.group_calls[group].choices
+                pairs = enumerate(zip(left_class, right_class, strict=True))
+                ks = {k for k, pq in pairs if pq in members}
+                chosen[left] = chosen.get(left, frozenset()) | ks
             continue
-        # a parameter's gather blocks too: the runtime gathers it when it is used (FSDP2's
-        # prefetch is not there yet), and the ledger charges it so
+        for group, members in joins.items():
+            edges = parts.group_calls[group].edges
+            edges[len(parts.edge_terms)] = frozenset(members)
+        # a parameter's gather is charged inline too (see the module's docs on prefetch)
         parts.edge_terms.append(
             (
                 EdgeTerm(
@@ -273,6 +320,15 @@ def _edge_costs(
                 bwd_m,
             )
         )
+
+
+def reuses_edges(cost: CostModel, other: CostModel) -> bool:
+    """Whether two ZeRO stages' problems share their resharding terms: they do but where a
+    ZeRO working copy held in the compute dtype spares autocast's copy of a weight (an edge
+    memory term, ``CostModel.weight_cast_bytes``), which ZeRO-1 and -2 share and ZeRO-0
+    does not."""
+    casts = cost.autocast_saved is not None and bool(cost.working_cast)
+    return not casts or (cost.zero > 0) == (other.zero > 0)
 
 
 def is_regathered(decisions: Decisions, producer: str, consumer: str, index: int) -> bool:

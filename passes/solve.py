@@ -7,8 +7,9 @@ constraints); runs, in order:
 2. ``layer_representatives``: identical layers (``passes.layer_sharing``);
 3. ``group_decisions``: the ILP's decisions (``passes.decisions``);
 4. ``build_problem``: coefficients from the cost model (``passes.problem``);
-5. ``solve_ilp`` (``passes.ilp``), first the fastest plan with no memory row, then, if it
-   does not fit, under the limit for each ZeRO stage with recomputation as variables.
+5. ``solve_ilp`` (``passes.ilp``), first the fastest plan over the ZeRO stages with no
+   memory row, then, if it does not fit, under the limit for each ZeRO stage with
+   recomputation as variables.
 
 Writes a ``Solved``: the choice of every decision and what it costs. When nothing fits even
 with everything sharded, raises ``InfeasiblePlanError`` with the minimum memory per device,
@@ -24,9 +25,9 @@ from dataclasses import dataclass, field, replace
 from cost_model.collectives import MeshCost
 from cost_model.hardware import load_preset
 from cost_model.memory import precision_policy
-from passes.costs import CostModel, gradient_bytes, sync_buckets
+from passes.costs import CostModel, fsdp_group_shares, gradient_bytes, sync_buckets
 from passes.decisions import Decisions, group_decisions
-from passes.ilp import IlpProblem, dominates, solve_ilp
+from passes.ilp import IlpProblem, cannot_beat, dominates, objective_at, solve_ilp
 from passes.layer_sharing import layer_representatives
 from passes.mixed_precision import (
     MIXED,
@@ -34,7 +35,7 @@ from passes.mixed_precision import (
     autocast_saved,
     working_cast_nodes,
 )
-from passes.problem import ProblemParts, build_problem, unmerged_size
+from passes.problem import ProblemParts, build_problem, reuses_edges, unmerged_size
 from passes.recompute import (
     RecomputeHint,
     Region,
@@ -216,9 +217,9 @@ def _solve(
 ) -> Solved:
     """Solve on one grouping of the mesh.
 
-    First the fastest plan with memory set aside: when it fits the limit, memory does not
-    bind and neither ZeRO nor recomputation could make anything faster. Otherwise every
-    allowed ZeRO stage is solved under the limit, with the recompute candidates
+    First the fastest plan over the ZeRO stages with memory set aside: when it fits the
+    limit, memory does not bind and recomputation could make nothing faster. Otherwise
+    every allowed ZeRO stage is solved under the limit, with the recompute candidates
     (``passes.recompute``) as variables, and the fastest feasible one is kept.
     """
     mesh = grouped_mesh(request.mesh, groups)
@@ -240,6 +241,9 @@ def _solve(
     bucket = min(BUCKET_BYTES * summed / held, max(gradient_bytes(grads) * summed / held, 1.0))
 
     working_cast = working_cast_nodes(traced, request.precision)
+    gather_share = fsdp_group_shares(traced)
+
+    built_edges: list[tuple[CostModel, ProblemParts]] = []  # resharding terms, shared
 
     def build(zero: int, limit: float | None) -> Built:
         cost = CostModel(
@@ -251,10 +255,14 @@ def _solve(
             bucket_bytes=bucket,
             working_cast=working_cast,
             autocast_saved=request.autocast_saved,
+            gather_share=gather_share,
         )
+        shared = next((p for c, p in built_edges if reuses_edges(c, cost)), None)
         parts = build_problem(
-            decisions, cost, representatives, limit, allowed, request.microbatches
+            decisions, cost, representatives, limit, allowed, request.microbatches, shared
         )
+        if shared is None:
+            built_edges.append((cost, parts))
         regions = (
             find_regions(traced.graph, decisions, cost, representatives, parts.kept_copies)
             if limit is not None or request.recompute_hints
@@ -310,7 +318,7 @@ def _solve(
 
     levels = request.zero_levels
     if request.memory_limit is None or not request.known_unfit:
-        fastest = run(build(levels[0], None))
+        fastest = _fastest_unlimited(levels, build, run)
         if fastest is None and request.work_cutoff is not None:
             raise NothingFaster
         if fastest is None:  # no plan even with memory set aside: none within a limit either
@@ -332,6 +340,38 @@ def _solve(
     if found is None:
         raise infeasible_error(built[-1].parts, request)
     return found
+
+
+def _fastest_unlimited(
+    levels: tuple[int, ...],
+    build: Callable[[int, float | None], Built],
+    run: Callable[..., Solved | None],
+) -> Solved | None:
+    """The fastest plan over the ZeRO stages, memory set aside. A sharded optimizer steps
+    fewer values and its gathers cost less than that on fast links, so ZeRO can be the
+    fastest with memory to spare (``cost_model.optimizer``). The lowest stage is solved;
+    another only where it could be faster: not ZeRO-2 beside ZeRO-1 (memory aside, the
+    same sums or more of them), not a stage that saves time on no choice
+    (``ilp.cannot_beat``), and not one that the lowest stage's plan, costed in it, does not
+    already beat it with (a stage that wins only with other layouts is not looked for: a
+    solve less per plan); a stage that does is solved under the lowest's time."""
+    lowest = build(levels[0], None)
+    best = run(lowest)
+    if best is None:
+        return None
+    for zero in levels[1:]:
+        if zero == 2 and 1 in levels:
+            continue
+        other = build(zero, None)
+        problem = other.parts.problem
+        if cannot_beat(lowest.parts.problem, problem):
+            continue
+        if objective_at(problem, best.choice) >= (best.report.objective or 0.0):
+            continue
+        found = run(other, tie(best.report.objective or 0.0))
+        if found is not None and (found.report.objective or 0.0) < (best.report.objective or 0.0):
+            best = found
+    return best
 
 
 def states_floor(parts: ProblemParts) -> float:

@@ -81,6 +81,9 @@ class Estimate(_Frozen):
     exposed_comm_s: float = 0.0
     bubble_s: float = 0.0
     recompute_s: float = 0.0
+    optimizer_s: float = Field(
+        0.0, description="The optimizer's step (on the busiest stage), part of step_time_s."
+    )
     stages: tuple[StageEstimate, ...] = ()
     collectives: dict[str, int] = Field(
         default_factory=dict,

@@ -4,7 +4,8 @@ Reads a ``Solved`` (strategies on one stage's mesh) and the annotated graph; wri
 ``Part`` per layer plus the parts before the first layer (``pre``: embeddings) and after the
 last (``post``: final norm, head). Every number is for one microbatch of the traced batch,
 per device of a stage: forward and backward compute, resharding inside the part (forward
-and backward), saved activations; and, per step, parameter state bytes and gradient sync.
+and backward), saved activations; and, per step, parameter state bytes, gradient sync and
+the optimizer's step.
 A node belongs to its layer; a node outside the layers goes to ``pre`` when it comes before
 the first layer's first node in graph order, else to ``post``. A parameter used on both
 sides (a tied embedding and head) is counted on both: both stages hold a copy.
@@ -41,9 +42,11 @@ class Part:
     state_terms: tuple[float, float, float] = (0.0, 0.0, 0.0)
     sync_s: float = 0.0  # gradient synchronisation, one pass (``CostModel.sync_passes``)
     step_s: float = 0.0  # after the optimizer step: ZeRO's gathers of the masters
+    optimizer_s: float = 0.0  # the optimizer's step of the part's parameters
     boundary_bytes: float = 0.0  # what the part hands to the next, per device
     recompute_s: float = 0.0  # forward run again in backward, one microbatch
     params: dict[str, float] = field(default_factory=dict)  # name -> state bytes
+    optimizer_of: dict[str, float] = field(default_factory=dict)  # name -> its step's seconds
 
     def time_at(self, scale: float) -> float:
         """Per microbatch of ``scale`` times the traced batch: compute and resharding grow
@@ -104,6 +107,7 @@ def layer_costs(
             if info.name in part.params:
                 continue
             part.params[info.name] = param.memory
+            part.optimizer_of[info.name] = param.optimizer_s
             part.states += param.memory
             held = part.state_terms
             part.state_terms = (
@@ -113,9 +117,12 @@ def layer_costs(
             )
             part.sync_s += param.sync_s
             part.step_s += param.step_s
+            part.optimizer_s += param.optimizer_s
     decisions = solved.decisions
     kept: set[tuple[str, int]] = set()  # activations whose resharded copy is counted
     sole = sole_keepers(decisions)
+    # FSDP group calls each part runs, with their fixed cost (once a group: ``group_call``)
+    calls: dict[int, dict[tuple[str, tuple[int, ...]], float]] = {}
     for node in traced.graph.nodes:
         if node.name not in decisions.bindings or node.op not in ("call_function", "output"):
             continue
@@ -139,15 +146,20 @@ def layer_costs(
             if producer.note is None:
                 continue
             src = solved.output_layout(source.producer, source.index)
-            f, b = cost.edge_time(
+            reshard = (
                 producer.note.outputs[source.index],
                 src,
                 strategy.inputs[i],
                 producer.note.requires_grad,
                 is_regathered(decisions, source.producer, node.name, i),
             )
+            f, b = cost.edge_time(*reshard, param=source.producer)
             if producer.kind == "param":
                 part.gather_s += f + b
+                call = cost.group_call(*reshard, param=source.producer)
+                if call is not None:
+                    runs = calls.setdefault(id(part), {})
+                    runs[call[0]] = max(runs.get(call[0], 0.0), call[1])
                 found = cost.autocast_saved
                 if found is not None and (source.producer, node.name) in found.weight_casts:
                     info = producer.note.outputs[source.index]
@@ -164,6 +176,8 @@ def layer_costs(
                 part.activations += copy_bytes(
                     cost, info, src, strategy.inputs[i], sole.get(source.producer) == node.name
                 )
+    for part in (pre, *parts, post):
+        part.gather_s += sum(calls.get(id(part), {}).values())
     for layer, (saving, forward) in recomputed_layers(solved).items():
         parts[layer].activations -= saving
         parts[layer].compute_s += forward

@@ -27,6 +27,7 @@ and per step:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -43,6 +44,7 @@ from passes.ledger import (
     hide_overlapped,
     itemsize,
     param_order,
+    place_compute,
     reshard_entries,
     stored_dtype,
     zero_entries,
@@ -81,6 +83,7 @@ class _PipelineLedger:
         self.whole_cost = MeshCost(plan.mesh)
         self.walk = Walk(traced, plan, self.mesh, scale)
         self.walk.run()
+        self.compute = place_compute(self.walk)
         layouts = self.walk.layouts
         self.lowered = lower_spmd(
             traced,
@@ -98,7 +101,7 @@ class _PipelineLedger:
         shared = holders(self.programs, self.pp)
         entries: list[CommEntry] = []
         for stage in range(self.pp):
-            ledger = Ledger(self.mesh, self.plan.parallelism.microbatches, stage)
+            ledger = Ledger(self.mesh, self.plan.parallelism.microbatches, stage, self.compute)
             mine = [p for p in self.programs if p.index % self.pp == stage]
             reshards = [r for program in mine for r in self._reshards(program)]
             reshard_entries(ledger, self.traced, self.plan, reshards, self.walk.cast)
@@ -123,14 +126,17 @@ class _PipelineLedger:
         return entries
 
     def _reshards(self, program: StageProgram) -> list[Reshard]:
-        """The reshards ``program`` runs, in its order."""
+        """The reshards ``program`` runs, in its order; kept for backward when one of its own
+        consumers keeps them (a tied weight's gather on the first stage serves only the
+        embedding, which keeps no weight, though the head on the last keeps its own)."""
         made = self.walk.made
+        names = {self.sources.get(node.name, node.name) for node in program.graph.nodes}
         found = []
         for node in program.graph.nodes:
             key = self.lowered.reshards.get(node.name)
             reshard = made.get(key) if key is not None else None
             if reshard is not None:
-                found.append(reshard)
+                found.append(dataclasses.replace(reshard, saved=bool(reshard.savers & names)))
         return found
 
     def _handoffs(self, ledger: Ledger, program: StageProgram) -> None:
@@ -232,6 +238,8 @@ def with_pipeline_ledger(
     backward_s: list[float],
     microbatches: int,
     chunks: int,
+    optimizer_s: list[float] | None = None,
+    overlap: float = 1.0,
 ) -> Estimate:
     """``estimate`` with its step and communication figures read off a pipeline ledger.
 
@@ -240,22 +248,31 @@ def with_pipeline_ledger(
     ``cost_model.step.pipeline_time(T, m, v)``. Each stage then adds what stays exposed of
     its gradient sync (in its last microbatch's backward, ``hide_overlapped``; the stages
     before it still run theirs, which hides the rest) and of what runs after the schedule
-    (ZeRO's gathers, shared and tied gradient sums, the loss); the slowest stage sets the
-    step. Bytes are the busiest stage's (a device of it sends the most)."""
+    (ZeRO's gathers, shared and tied gradient sums, the loss) and its optimizer's step
+    (``optimizer_s``); the slowest stage sets the step. Bytes are the busiest stage's (a
+    device of it sends the most)."""
     m = microbatches
     stages = len(compute_s)
+    optimizers = optimizer_s or [0.0] * stages
     priced: list[CommEntry] = []
     times, after, sent_of = [], [], []
     for s in range(stages):
         mine = [e for e in entries if e.stage == s]
-        mine = hide_overlapped(mine, m, backward_s[s], slack_s=sum(backward_s[:s]))
+        mine = hide_overlapped(mine, m, backward_s[s], sum(backward_s[:s]), overlap)
         priced += mine
-        blocking = sum(e.time_s for e in mine if e.overlap == "none" and e.phase != "step")
+        # what blocks each microbatch: reshards and hand-offs whole, FSDP's prefetched
+        # gathers their exposed part (``passes.ledger.hide_prefetched``)
+        blocking = sum(
+            e.time_s if e.overlap == "none" else e.exposed_s
+            for e in mine
+            if e.overlap in ("none", "compute") and e.phase != "step"
+        )
         times.append(compute_s[s] + blocking / m)
-        after.append(sum(e.exposed_s for e in mine if e.overlap != "none" or e.phase == "step"))
+        after.append(sum(e.exposed_s for e in mine if e.overlap == "backward" or e.phase == "step"))
         sent_of.append(sum(e.sent_per_step for e in mine))
     pipeline = pipeline_time(times, m, chunks)
-    step = pipeline + max(after)
+    last = max(range(stages), key=lambda s: after[s] + optimizers[s])
+    step = pipeline + after[last] + optimizers[last]
     busiest = max(range(stages), key=lambda s: sent_of[s])
     compute = m * max(compute_s)
     bubble = pipeline - m * max(times)
@@ -275,7 +292,8 @@ def with_pipeline_ledger(
             "step_time_s": step,
             "compute_s": compute,
             "bubble_s": bubble,
-            "exposed_comm_s": max(step - compute - bubble, 0.0),
+            "optimizer_s": optimizers[last],
+            "exposed_comm_s": max(step - compute - bubble - optimizers[last], 0.0),
             "stages": per_stage,
         }
     )

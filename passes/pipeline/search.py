@@ -122,6 +122,7 @@ class Candidate:
     source: Source
     # each stage's states apart, (params, grads, optimizer); empty without a pipeline
     stage_state_terms: tuple[tuple[float, float, float], ...] = ()
+    optimizer_s: float = 0.0  # the optimizer's step on the stage that sets the step's end
 
     def describe(self) -> Parallelism:
         return Parallelism(
@@ -507,6 +508,7 @@ def _evaluate(
 ) -> Candidate | tuple[float, str] | None:
     """A costed configuration, or (memory it needs, what) when it does not fit."""
     buckets = solved.parts.problem.buckets  # the runtime's gradient-sync buckets
+    overlap = solved.parts.problem.overlap
     passes = solved.cost.sync_passes
     scale = b / source.batch
     limit = request.solve.memory_limit
@@ -522,7 +524,9 @@ def _evaluate(
         sync = sum(part.sync_s for part in parts)
         backward = (sum(part.compute_s - part.forward_s for part in parts)) * scale
         after = sum(part.step_s for part in parts)
-        step = m * time + _exposed_sync(sync, backward, 0.0, buckets, passes(m)) + after
+        optimizer = sum(part.optimizer_s for part in parts) - _shared_optimizer(costs)
+        step = m * time + _exposed_sync(sync, backward, 0.0, buckets, passes(m), overlap) + after
+        step += optimizer
         memory = states + activations
         forward = sum(part.forward_s for part in parts) * scale
         candidate = Candidate(
@@ -544,6 +548,7 @@ def _evaluate(
             0.0,
             sync,
             source,
+            optimizer_s=optimizer,
         )
         return candidate if limit is None or memory <= limit else (memory, "no pipeline")
     p2p = _p2p_times(costs, mesh_cost, p, scale, chunks)
@@ -561,6 +566,7 @@ def _evaluate(
     pipeline = pipeline_time(cut.stage_times, m, chunks)
     syncs = _stage_values(costs, cut, p, chunks, lambda part: part.sync_s)
     afters = _stage_values(costs, cut, p, chunks, lambda part: part.step_s)
+    optimizers = _stage_values(costs, cut, p, chunks, lambda part: part.optimizer_s)
     backwards = _stage_values(
         costs, cut, p, chunks, lambda part: (part.compute_s - part.forward_s) * scale
     )
@@ -571,14 +577,18 @@ def _evaluate(
     link = mesh_cost.mesh.handoff_axis(p, p - 1)
     tied = mesh_cost.p2p(sent("all_reduce", costs.tied_grad_bytes, 2), link)
     loss = mesh_cost.p2p(4.0, link)
-    exposed = max(
-        _exposed_sync(sync, backwards[s], sum(backwards[:s]), max(buckets // p, 1), passes(m))
+    tails = [
+        _exposed_sync(
+            sync, backwards[s], sum(backwards[:s]), max(buckets // p, 1), passes(m), overlap
+        )
         + afters[s]
+        + optimizers[s]
         + (tied if s in (0, p - 1) else 0.0)
         + loss
         for s, sync in enumerate(syncs)
-    )
-    step = pipeline + exposed
+    ]
+    last = max(range(p), key=lambda s: tails[s])
+    step = pipeline + tails[last]
     forwards = _stage_values(costs, cut, p, chunks, lambda part: part.forward_s * scale)
     terms = [
         _stage_values(costs, cut, p, chunks, lambda part, i=i: part.state_terms[i])  # type: ignore[misc]
@@ -604,19 +614,30 @@ def _evaluate(
         max(syncs),
         source,
         tuple(zip(*terms, strict=True)),
+        optimizers[last],
     )
 
 
-def _exposed_sync(sync: float, backward: float, slack: float, buckets: int, passes: int) -> float:
+def _exposed_sync(
+    sync: float, backward: float, slack: float, buckets: int, passes: int, overlap: float
+) -> float:
     """The gradient sync backward leaves exposed: ``passes`` of ``sync`` each, each hidden
-    behind one microbatch's ``backward`` bucket by bucket, the last also by ``slack``."""
-    one = exposed_gradient_sync(sync, backward, buckets)
-    return (passes - 1) * one + max(one - slack, 0.0)
+    behind one microbatch's ``backward`` bucket by bucket, the last also by ``slack``
+    (compute hiding the share ``overlap`` of what it runs beside)."""
+    one = exposed_gradient_sync(sync, backward, buckets, overlap)
+    return (passes - 1) * one + max(one - overlap * slack, 0.0)
 
 
 def _shared_states(costs: LayerCosts) -> float:
     """States counted in both ``pre`` and ``post`` (a tied weight): once without a pipeline."""
     return sum(costs.pre.params[name] for name in costs.pre.params.keys() & costs.post.params)
+
+
+def _shared_optimizer(costs: LayerCosts) -> float:
+    """The optimizer's step of the parameters ``pre`` and ``post`` share: once without a
+    pipeline."""
+    shared = costs.pre.params.keys() & costs.post.params
+    return sum(costs.pre.optimizer_of[name] for name in shared)
 
 
 def _p2p_times(
@@ -781,7 +802,8 @@ def _to_plan(request: PipelineRequest, best: Candidate, others: list[Candidate])
         ledger = step_ledger(traced, planned, batch_scale=scale)
         solved = best.solved
         backward = sum(solved.parts.compute_bwd[d][k] for d, k in solved.choice.items())
-        estimate = with_ledger(estimate, ledger, best.microbatches, backward * scale)
+        overlap = solved.parts.problem.overlap
+        estimate = with_ledger(estimate, ledger, best.microbatches, backward * scale, overlap)
         peak = peak_flops(solved.cost.mesh_cost.preset, solved.cost.compute_dtype) or 1.0
         estimate = estimate.model_copy(
             update={"mfu": mfu(estimate.flops_per_step, estimate.step_time_s, peak, mesh.size)}
@@ -804,8 +826,18 @@ def _to_plan(request: PipelineRequest, best: Candidate, others: list[Candidate])
         backward = _stage_values(
             costs, cut, p, v, lambda part: (part.compute_s - part.forward_s) * scale
         )
+        optimizers = _stage_values(costs, cut, p, v, lambda part: part.optimizer_s)
         entries = pipeline_ledger(traced, plan, batch_scale=scale)
-        estimate = with_pipeline_ledger(estimate, entries, compute, backward, best.microbatches, v)
+        estimate = with_pipeline_ledger(
+            estimate,
+            entries,
+            compute,
+            backward,
+            best.microbatches,
+            v,
+            optimizers,
+            best.solved.parts.problem.overlap,
+        )
         peak = peak_flops(best.solved.cost.mesh_cost.preset, best.solved.cost.compute_dtype)
         estimate = estimate.model_copy(
             update={
@@ -870,7 +902,10 @@ def _estimate(base: Plan, best: Candidate, mesh: MeshSpec, traced_batch: int) ->
             "memory_per_device_bytes": memory,
             "bubble_s": best.bubble_s,
             "compute_s": compute,
-            "exposed_comm_s": max(best.step_time_s - compute - best.bubble_s, 0.0),
+            "optimizer_s": best.optimizer_s,
+            "exposed_comm_s": max(
+                best.step_time_s - compute - best.bubble_s - best.optimizer_s, 0.0
+            ),
             "stages": per_stage,
         }
     )

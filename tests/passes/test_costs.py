@@ -71,3 +71,37 @@ def test_a_batch_split_loss_keeps_its_share_of_the_log_probabilities(loss_node):
         assert cost.activation_bytes(note, strategy) == pytest.approx(
             note.internal_saved_bytes / DEVICES
         )
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_an_op_pays_the_hosts_time_to_issue_it(asynchronous):
+    """``DevicePreset.op_overhead``: a CPU issues an op and then runs it, so the two add; an
+    accelerator runs the queued kernel while the host issues the next, so an op takes the
+    longer of the two. A view launches no kernel: it costs the host's time only where the
+    two add."""
+    from types import SimpleNamespace
+
+    from cost_model.hardware import OpOverhead
+    from passes.annotation import NodeAnnotation, TensorInfo
+
+    preset = load_preset("h100-sxm")
+    host = OpOverhead(forward=10e-6, backward=20e-6, asynchronous=asynchronous)
+    mesh = MeshSpec((1,), ("dp",), device="h100-sxm")
+    plain = CostModel(MeshCost(mesh, preset))
+    hosted = CostModel(MeshCost(mesh, preset.model_copy(update={"op_overhead": host})))
+    out = (TensorInfo((1024, 1024), "float32"),)
+    one = SimpleNamespace(split=1)
+    small = NodeAnnotation(
+        "op", "aten.add.Tensor", out, 2**20, 2**20, 12 * 2**20, 4 * 2**20, requires_grad=True
+    )
+    big = NodeAnnotation(
+        "op", "aten.add.Tensor", out, 2**30, 2**30, 2**32, 2**32, requires_grad=True
+    )
+    view = NodeAnnotation("view", "aten.view.default", out, requires_grad=True)
+    for note in (small, big):
+        (fwd, bwd), (kernel_fwd, kernel_bwd) = hosted.op_time(note, one), plain.op_time(note, one)
+        if asynchronous:
+            assert (fwd, bwd) == (max(kernel_fwd, 10e-6), max(kernel_bwd, 20e-6))
+        else:
+            assert (fwd, bwd) == pytest.approx((kernel_fwd + 10e-6, kernel_bwd + 20e-6))
+    assert hosted.op_time(view, one) == ((0.0, 0.0) if asynchronous else (10e-6, 20e-6))

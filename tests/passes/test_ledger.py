@@ -33,7 +33,10 @@ def test_the_estimate_is_a_sum_over_the_ledger(dp: Plan):
     assert e.comm_s == pytest.approx(sum(c.time_s for c in e.comm))
     assert e.exposed_comm_s == pytest.approx(sum(c.exposed_s for c in e.comm))
     assert sum(e.comm_bytes_by_kind.values()) == pytest.approx(e.comm_bytes_per_step)
-    assert e.step_time_s == pytest.approx(e.compute_s + e.bubble_s + e.exposed_comm_s)
+    assert e.optimizer_s > 0
+    assert e.step_time_s == pytest.approx(
+        e.compute_s + e.bubble_s + e.exposed_comm_s + e.optimizer_s
+    )
 
 
 def test_gradient_sync_runs_once_per_step_and_reshards_every_microbatch(dp: Plan):
@@ -68,3 +71,80 @@ def test_parameter_gathers_do_not_grow_with_the_traced_batch():
     traced_small = _plan(batch=2, **options)
     assert traced_big.microbatch_size == traced_small.microbatch_size == 2
     assert gathered(traced_big) == gathered(traced_small) > 0
+
+
+def test_the_solver_prices_parameter_gathers_as_the_runtime_groups_them(tmp_path):
+    """FSDP gathers a layer's parameters in one call (``runtime.param_groups``). On links
+    where a call's fixed cost is large and small messages are slow (gloo ranks sharing a
+    CPU: 1 ms a call), pricing each parameter's gather alone charged a step of calls that
+    never run (twice the ledger on gpt-tiny); each parameter pays its share of its group's
+    call, so the solver's objective and the ledger's step agree."""
+    from cost_model import load_preset, save_preset
+    from cost_model.hardware import Link
+
+    base = load_preset("cpu")
+    slow_small = Link(
+        bandwidth=1e9,
+        latency=100e-6,
+        bandwidth_by_kind={
+            kind: [(2**16, 0.02e9), (2**24, 1e9)] for kind in ("all_gather", "reduce_scatter")
+        },
+    )
+    preset = base.model_copy(
+        update={"name": "gloo-shared", "intra_node": slow_small, "launch_overhead": 1e-3}
+    )
+    path = save_preset(preset, tmp_path / "gloo-shared.yaml")
+    model, (tokens,) = build("gpt-tiny", device="meta", batch_size=4)
+    mesh = autopar.Mesh((4,), ("dp",), device=str(path))
+    plan = autopar.plan(model, mesh, (tokens,), stages=1, force="fsdp")
+    gathers = [e for e in plan.estimate.comm if "FSDP gather" in e.what]
+    assert gathers and all(", 1 params" not in e.what for e in gathers if "layer" in e.what)
+    assert plan.solver.objective == pytest.approx(plan.estimate.step_time_s, rel=0.02)
+
+
+def test_fsdp_gathers_hide_behind_the_part_before_them(tmp_path):
+    """FSDP2's prefetch (``runtime.param_groups``): each group's gather runs while the
+    group before it computes, so on a fast link with layers that compute longer than
+    their gathers the forward waits only for the embeddings' gather (behind nothing) and
+    most of layer 0's (behind the embedding lookup, which computes next to nothing), and
+    the backward only for the first regather (the head's); where compute hides none of
+    what runs beside it (``comm_overlap`` 0: gloo ranks filling a CPU's cores) every
+    gather shows whole."""
+    from cost_model import load_preset, save_preset
+
+    model, (tokens,) = build("gpt-tiny", device="meta", batch_size=64)
+    fast_link = load_preset("h100-sxm").intra_node
+    exposed = {}
+    for overlap in (1.0, 0.0):
+        preset = load_preset("cpu").model_copy(
+            update={
+                "name": f"overlap-{overlap:g}",
+                "comm_overlap": overlap,
+                "intra_node": fast_link,
+            }
+        )
+        path = save_preset(preset, tmp_path / f"overlap-{overlap:g}.yaml")
+        mesh = autopar.Mesh((4,), ("dp",), device=str(path))
+        plan = autopar.plan(model, mesh, (tokens,), stages=1, force="fsdp")
+        gathers = [
+            e
+            for e in plan.estimate.comm
+            if e.what.startswith("FSDP gather") and e.kind == "all_gather"
+        ]
+        regathers = [e for e in plan.estimate.comm if e.what.startswith("FSDP regather")]
+        assert [e.what.split(": ")[1].split(",")[0] for e in gathers] == [
+            "after 0 layers",
+            "layer 0",
+            "layer 1",
+            "after 2 layers",
+        ]
+        assert all(e.overlap == "compute" for e in gathers + regathers)
+        exposed[overlap] = (gathers, regathers)
+    gathers, regathers = exposed[1.0]
+    assert gathers[0].exposed_s == pytest.approx(gathers[0].time_s)
+    assert 0 < gathers[1].exposed_s < gathers[1].time_s
+    assert gathers[2].exposed_s == gathers[3].exposed_s == 0
+    assert regathers[-1].exposed_s == pytest.approx(regathers[-1].time_s)
+    assert regathers[0].exposed_s == regathers[1].exposed_s == 0
+    for entry in (e for pair in exposed[0.0] for e in pair):
+        assert entry.exposed_s == pytest.approx(entry.time_s)

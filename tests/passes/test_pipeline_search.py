@@ -399,10 +399,13 @@ def test_stages_are_cut_inside_a_node_when_the_mesh_is_one_node():
 def test_each_stage_estimate_holds_its_hand_offs_apart_from_its_work():
     """Four stages on two nodes of 8: the end stages hand off once, inside their node
     (``2 n``: forward and back over NVLink); the middle two twice, once inside and once
-    across the nodes' edge (``2 n + 2 i``, InfiniBand)."""
+    across the nodes' edge (``2 n + 2 i``, InfiniBand). Data parallel inside the stages, so
+    every boundary hands off the same piece of the same activation."""
     model, inputs = four_layers()
     mesh = autopar.Mesh.cluster(2, 8, device="h100-sxm")
-    plan = autopar.plan(model, mesh, inputs, global_batch=256, stages=4, schedule="1f1b")
+    plan = autopar.plan(
+        model, mesh, inputs, global_batch=256, stages=4, schedule="1f1b", force="dp"
+    )
     first, second, third, last = plan.estimate.stages
     assert first.handoff_s == pytest.approx(last.handoff_s)
     assert second.handoff_s == pytest.approx(third.handoff_s)
