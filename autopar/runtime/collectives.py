@@ -72,13 +72,22 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 def all_gather_rows(flat: torch.Tensor, group: Group) -> torch.Tensor:
     """Every device's 1-D ``flat`` as the rows of one ``[n, numel]`` tensor (row i from
     device i): one collective for many parameters' shards laid end to end (FSDP)."""
+    work, out = start_all_gather_rows(flat, group)
+    work.wait()
+    return out
+
+
+def start_all_gather_rows(flat: torch.Tensor, group: Group) -> tuple[dist.Work, torch.Tensor]:
+    """``all_gather_rows`` launched without waiting (FSDP's prefetch): the work to wait on,
+    and the rows it fills."""
     out = torch.empty((group.size, flat.numel()), dtype=flat.dtype, device=flat.device)
     group.record("all_gather", out)
     if group.gloo:
-        dist.all_gather(list(out.unbind(0)), flat, group=group.pg)
+        work = dist.all_gather(list(out.unbind(0)), flat, group=group.pg, async_op=True)
     else:
-        dist.all_gather_into_tensor(out, flat, group=group.pg)
-    return out
+        work = dist.all_gather_into_tensor(out, flat, group=group.pg, async_op=True)
+    assert work is not None
+    return work, out
 
 
 def reduce_scatter_rows(rows: torch.Tensor, group: Group) -> torch.Tensor:

@@ -17,6 +17,14 @@ single gathers. Its backward is one reduce-scatter of the group's gradients; in 
 the first saved weight of the group that is unpacked gathers the whole group once for
 all its saved weights (``GroupRegather``), which are dropped after the last of them.
 
+**Prefetch**, as FSDP2 does: when a group is gathered in forward, the next group of the
+program is launched without waiting (``GatherParams.following``), so its all-gather runs
+while this group's layer computes; in backward, when a group is gathered again, the group
+backward reaches next (the previous one of the forward that has saved weights) is
+launched the same way. Only the first gather of a forward and the first regather of a
+backward wait for nothing to hide them. The plan's ledger prices them by the same rule
+(``passes.ledger.hide_prefetched``).
+
 Values are those of the single gathers: the same pieces concatenated along the same dims,
 the same gradient sums.
 
@@ -26,11 +34,16 @@ the same gradient sums.
 
 from __future__ import annotations
 
+import itertools
 import operator
+import weakref
+from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import fx
 
 from autopar.runtime.collectives import (
@@ -39,6 +52,7 @@ from autopar.runtime.collectives import (
     Group,
     all_gather_rows,
     reduce_scatter_rows,
+    start_all_gather_rows,
     to_param_dtype,
     unflatten,
 )
@@ -69,20 +83,60 @@ def _numel(shape: Shape) -> int:
     return count
 
 
+@dataclass
+class InFlight:
+    """A group's all-gather launched ahead of its use: the work, the rows it fills, and
+    the (identity, version) of the shards it gathered, so that rows of parameters that
+    changed since (an optimizer step) are never used."""
+
+    work: dist.Work
+    rows: torch.Tensor
+    key: tuple[tuple[int, int], ...]
+
+    def rows_for(self, key: tuple[tuple[int, int], ...]) -> torch.Tensor | None:
+        """The rows, once gathered, if they are of the shards ``key`` names."""
+        self.work.wait()
+        return self.rows if key == self.key else None
+
+
+def shard_key(shards: Sequence[torch.Tensor]) -> tuple[tuple[int, int], ...]:
+    return tuple((id(shard), shard._version) for shard in shards)
+
+
+def launch_gather(
+    shards: Sequence[torch.Tensor], group: Group, key: tuple[tuple[int, int], ...]
+) -> InFlight:
+    """``gather_group``'s all-gather, launched without waiting."""
+    flat = torch.cat([shard.detach().reshape(-1) for shard in shards])
+    work, rows = start_all_gather_rows(flat, group)
+    return InFlight(work, rows, key)
+
+
 def gather_group(
-    shards: Sequence[torch.Tensor], dims: Sequence[int], group: Group
+    shards: Sequence[torch.Tensor],
+    dims: Sequence[int],
+    group: Group,
+    into: Sequence[torch.Tensor] | None = None,
+    rows: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Each shard all-gathered along its dim, in one collective: the shards laid end to end
-    in one flat buffer, gathered as rows (one per device), each whole copied out of them."""
+    in one flat buffer, gathered as rows (one per device), each whole copied out of them,
+    into ``into`` when given (tensors of the wholes' shapes: ZeRO's working copies, filled
+    in place rather than copied again). ``rows``: the gather's result, when a prefetch
+    (``launch_gather``) made it already."""
     n = group.size
-    flat = torch.cat([shard.detach().reshape(-1) for shard in shards])
-    rows = all_gather_rows(flat, group)  # [n, sum of shard numels]
+    if rows is None:
+        flat = torch.cat([shard.detach().reshape(-1) for shard in shards])
+        rows = all_gather_rows(flat, group)  # [n, sum of shard numels]
     wholes = []
     spans = _offsets([tuple(shard.shape) for shard in shards])
-    for shard, dim, (start, stop) in zip(shards, dims, spans, strict=True):
+    for index, (shard, dim, (start, stop)) in enumerate(zip(shards, dims, spans, strict=True)):
         shape = list(shard.shape)
         shape[dim] *= n
-        whole = torch.empty(shape, dtype=shard.dtype, device=shard.device)
+        if into is None:
+            whole = torch.empty(shape, dtype=shard.dtype, device=shard.device)
+        else:
+            whole = into[index]
         _pieces(whole, n, dim).copy_(rows[:, start:stop].view(n, *shard.shape))
         wholes.append(whole)
     return wholes
@@ -124,20 +178,27 @@ def scatter_rows(
 
 
 class _GatherGroup(torch.autograd.Function):
-    """``gather_group`` forward, ``reduce_scatter_group`` backward."""
+    """``gather_group`` forward (from prefetched ``rows`` when given),
+    ``reduce_scatter_group`` backward."""
 
     @staticmethod
-    def forward(ctx: Any, dims: tuple[int, ...], group: Group, *shards: torch.Tensor) -> Any:
+    def forward(
+        ctx: Any,
+        dims: tuple[int, ...],
+        group: Group,
+        rows: torch.Tensor | None,
+        *shards: torch.Tensor,
+    ) -> Any:
         ctx.dims, ctx.group = dims, group
         ctx.shapes = [tuple(shard.shape) for shard in shards]
         ctx.like = shards[0].new_empty(0)  # dtype and device of the gradients' buffer
         ctx.set_materialize_grads(False)  # an unused weight's gradient: no zeros made
-        return tuple(gather_group(shards, dims, group))
+        return tuple(gather_group(shards, dims, group, rows=rows))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         pieces = reduce_scatter_group(grads, ctx.shapes, ctx.dims, ctx.group, ctx.like)
-        return (None, None, *pieces)
+        return (None, None, None, *pieces)
 
 
 class GroupRegather:
@@ -150,12 +211,22 @@ class GroupRegather:
     a collective of its own).
     """
 
-    def __init__(self, shards: Sequence[torch.Tensor], dims: Sequence[int], group: Group):
+    def __init__(
+        self,
+        shards: Sequence[torch.Tensor],
+        dims: Sequence[int],
+        group: Group,
+        previous: GroupRegather | None = None,
+    ):
         self._shards = tuple(shards)
         self._dims = tuple(dims)
         self._group = group
         self._pending = 0
         self._wholes: list[torch.Tensor] | None = None
+        self._inflight: InFlight | None = None
+        # the group gathered before this one in the forward: backward reaches it next
+        self.previous = previous
+        self.prefetched: bool | None = None  # whether backward found its gather launched
 
     def member(self, index: int) -> _Member:
         return _Member(self, index)
@@ -163,15 +234,34 @@ class GroupRegather:
     def claim(self) -> None:
         self._pending += 1
 
+    def prefetch(self) -> None:
+        """Launch this group's gather without waiting, if backward will fetch it."""
+        if self._pending > 0 and self._wholes is None and self._inflight is None:
+            with torch.no_grad():
+                self._inflight = launch_gather(self._shards, self._group, ())
+
     def fetch(self, index: int) -> torch.Tensor:
         wholes = self._wholes
         if wholes is None:
+            inflight, self._inflight = self._inflight, None
+            rows = inflight.rows_for(()) if inflight is not None else None
+            self.prefetched = rows is not None
             with torch.no_grad():
-                wholes = gather_group(self._shards, self._dims, self._group)
+                wholes = gather_group(self._shards, self._dims, self._group, rows=rows)
+            self._prefetch_next()
         self._pending -= 1
         # kept only while claimed weights remain (a second backward gathers each anew)
         self._wholes = wholes if self._pending > 0 else None
         return wholes[index]
+
+    def _prefetch_next(self) -> None:
+        """Launch the gather of the group backward fetches next: the previous one of the
+        forward with saved weights (FSDP2's backward prefetch)."""
+        group = self.previous
+        while group is not None and group._pending == 0:
+            group = group.previous
+        if group is not None:
+            group.prefetch()
 
 
 class _Member:
@@ -188,10 +278,25 @@ class _Member:
         return self._regather.fetch(self._index)
 
 
+@dataclass
+class _Sources:
+    """Where a group's shards are read from outside its call: the program's attributes
+    (a weak reference: the program owns the group)."""
+
+    program: weakref.ref[fx.GraphModule]
+    targets: tuple[str, ...]
+
+    def __call__(self) -> list[torch.Tensor]:
+        program = self.program()
+        assert program is not None
+        return [operator.attrgetter(target)(program) for target in self.targets]
+
+
 class GatherParams(Collective):
     """All-gathers of several parameters over one mesh axis, as one collective.
 
-    ``forward(*shards)`` returns each shard gathered along its dim in ``dims``."""
+    ``forward(*shards)`` returns each shard gathered along its dim in ``dims``, and
+    launches the gather of ``following`` (the program's next group) without waiting."""
 
     # set by the runtime when gathered weights are regathered in backward: runtime.regather
     gathers: Any = None
@@ -201,6 +306,17 @@ class GatherParams(Collective):
     def __init__(self, group: Group, axis_name: str, dims: tuple[int, ...]) -> None:
         super().__init__(group, axis_name)
         self.dims = dims
+        self.sources: _Sources | None = None  # the shards, for a prefetch
+        self.following: list[GatherParams] = []  # the next group (a list: not a submodule)
+        self._inflight: InFlight | None = None
+        self.calls = Counter[str]()  # "prefetched" or "waited": how each forward found it
+
+    def prefetch(self) -> None:
+        """Launch this group's gather without waiting (its ``forward`` takes the rows)."""
+        if self._inflight is None and self.sources is not None:
+            shards = self.sources()
+            cast = [to_param_dtype(shard.detach(), self.param_dtype) for shard in shards]
+            self._inflight = launch_gather(cast, self.group, shard_key(shards))
 
     def forward(self, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if len({shard.dtype for shard in shards}) > 1:
@@ -209,11 +325,17 @@ class GatherParams(Collective):
                 f"({sorted({str(s.dtype) for s in shards})}); cast the compiled model as a "
                 "whole (compiled.to(dtype)), not parameter by parameter"
             )
+        inflight, self._inflight = self._inflight, None
+        rows = inflight.rows_for(shard_key(shards)) if inflight is not None else None
+        self.calls["prefetched" if rows is not None else "waited"] += 1
         shards = tuple(to_param_dtype(shard, self.param_dtype) for shard in shards)
-        wholes = _GatherGroup.apply(self.dims, self.group, *shards)
+        wholes = _GatherGroup.apply(self.dims, self.group, rows, *shards)
         if self.gathers is not None:
-            regather = GroupRegather(shards, self.dims, self.group)
+            regather = GroupRegather(shards, self.dims, self.group, self.gathers.last_group)
+            self.gathers.last_group = regather
             self.gathers.record_sources(wholes, [regather.member(i) for i in range(len(shards))])
+        for following in self.following:
+            following.prefetch()
         return wholes
 
     def extra_repr(self) -> str:
@@ -236,9 +358,14 @@ def group_param_gathers(
     in groups of their own.
     """
     groups = _param_gather_groups(program, layer_of, cast, compute)
+    made = []
     for key, members in groups.items():
         dtype = compute if key[1] == str(compute) else None
-        _gather_as_group(program, members, _group_name(program, members[0], key), dtype)
+        made.append(
+            _gather_as_group(program, members, _group_name(program, members[0], key), dtype)
+        )
+    for gather, following in itertools.pairwise(made):
+        gather.following = [following]  # in graph order: each launches the next (prefetch)
     if groups:
         program.graph.lint()
         program.recompile()
@@ -301,7 +428,7 @@ def _group_name(program: fx.GraphModule, first: fx.Node, key: GroupKey) -> str:
 
 def _gather_as_group(
     program: fx.GraphModule, members: list[fx.Node], name: str, dtype: torch.dtype | None
-) -> None:
+) -> GatherParams:
     """One ``GatherParams`` call before the first member; each member becomes its output."""
     graph = program.graph
     single = program.get_submodule(str(members[0].target))
@@ -310,6 +437,8 @@ def _gather_as_group(
     dims = tuple(_dim(program, member) for member in members)
     gather = GatherParams(single.group, single.axis_name, dims)
     gather.param_dtype = dtype
+    targets = tuple(str(source.target) for source in sources if isinstance(source, fx.Node))
+    gather.sources = _Sources(weakref.ref(program), targets)
     program.add_submodule(name, gather)
     order = {node: i for i, node in enumerate(graph.nodes)}
     with graph.inserting_before(members[0]):
@@ -324,6 +453,7 @@ def _gather_as_group(
         item.meta = dict(member.meta)
         member.replace_all_uses_with(item)
         graph.erase_node(member)
+    return gather
 
 
 def _dim(program: fx.GraphModule, member: fx.Node) -> int:

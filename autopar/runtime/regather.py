@@ -87,9 +87,13 @@ class ParamGathers:
     def __init__(self, is_param: Callable[[torch.Tensor], bool]) -> None:
         self._is_param = is_param
         self._made: dict[int, tuple[weakref.ref[torch.Tensor], _Recipe]] = {}
+        # the last group of parameters gathered in this forward (``param_groups``): the
+        # next one links to it, so that backward can prefetch the group it reaches next
+        self.last_group: Any = None
 
     def clear(self) -> None:
         self._made.clear()
+        self.last_group = None
 
     def record(
         self, output: torch.Tensor, source: torch.Tensor, dim: int, group: AxisGroup

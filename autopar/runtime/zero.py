@@ -105,12 +105,15 @@ class _Bucket:
     def first(self) -> ZeroParam:
         return self.params[0]
 
-    def gather(self) -> list[torch.Tensor]:
-        """Every master gathered back to its local parameter's shape, in its working copy's
-        dtype (the compute dtype under mixed precision for a matmul's weight: half the bytes
-        on the wire, as FSDP2 gathers in its ``param_dtype``)."""
-        return _gather_back(
-            self.params, [p.master.detach().to(p.working.dtype) for p in self.params]
+    def gather(self) -> None:
+        """Every master gathered back into its working copy, in the working copy's dtype
+        (the compute dtype under mixed precision for a matmul's weight: half the bytes on
+        the wire, as FSDP2 gathers in its ``param_dtype``); the last gather writes into the
+        working copies themselves."""
+        _gather_back(
+            self.params,
+            [p.master.detach().to(p.working.dtype) for p in self.params],
+            into=[p.working for p in self.params],
         )
 
     def start(self) -> None:
@@ -230,13 +233,19 @@ def _piece_shapes(
     return shapes
 
 
-def _gather_back(params: list[ZeroParam], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+def _gather_back(
+    params: list[ZeroParam],
+    pieces: list[torch.Tensor],
+    into: list[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
     """Master-shaped ``pieces`` of ``params`` (on the same groups) gathered back to their
-    local parameters' shapes, the last ZeRO axis first."""
+    local parameters' shapes, the last ZeRO axis first; the last gather into ``into``."""
     values = pieces
-    for step in reversed(range(len(params[0].zero_groups))):
+    steps = list(reversed(range(len(params[0].zero_groups))))
+    for step in steps:
         dims = [p.dims[step] for p in params]
-        values = gather_group(values, dims, params[0].zero_groups[step])
+        last = into if step == steps[-1] else None
+        values = gather_group(values, dims, params[0].zero_groups[step], into=last)
     return values
 
 
@@ -265,8 +274,8 @@ class ZeroShards:
             for bucket in self.buckets:
                 if all(p.master._version == p.seen_version for p in bucket.params):
                     continue
-                for p, whole in zip(bucket.params, bucket.gather(), strict=True):
-                    p.working.copy_(whole)
+                bucket.gather()
+                for p in bucket.params:
                     p.seen_version = p.master._version
 
     def whole(self, p: ZeroParam, piece: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,13 @@ def _train_step(rank: int, world: int) -> dict[str, Any]:
     with counting(backward):
         loss.backward()
     groups = [m for m in compiled.program.modules() if isinstance(m, GatherParams)]
+    regathers, group = [], groups[0].gathers.last_group  # the forward's last group first
+    while group is not None:
+        regathers.append(group.prefetched)
+        group = group.previous
     return {
+        "prefetch": [dict(m.calls) for m in groups],  # in the program's order
+        "regather_prefetch": regathers,
         "forward": dict(forward),
         "backward": dict(backward),
         "group_sizes": sorted(len(m.dims) for m in groups),
@@ -96,6 +102,19 @@ def test_one_gather_per_layer_and_direction(step: list[dict[str, Any]]) -> None:
         # regather per group whose weights were saved (not the embedding: its backward
         # needs only the token ids)
         assert rank["backward"] == {"all_reduce": N_LAYER + 2, "all_gather": N_LAYER + 1}
+
+
+def test_each_group_is_gathered_while_the_one_before_it_computes(
+    step: list[dict[str, Any]],
+) -> None:
+    """FSDP2's prefetch: forward launches each group's gather when the group before it is
+    gathered, so only the first (the embedding's) is waited for; backward launches the
+    gather of the group it reaches next when it gathers one again, so only the first
+    regather (the head's) is waited for, and the embedding, which keeps no weight, is
+    never gathered again."""
+    for rank in step:
+        assert rank["prefetch"] == [{"waited": 1}] + [{"prefetched": 1}] * (N_LAYER + 1)
+        assert rank["regather_prefetch"] == [False] + [True] * N_LAYER + [None]
 
 
 def test_grouped_fsdp_gradients_equal_one_device(step: list[dict[str, Any]]) -> None:
