@@ -6,7 +6,7 @@ On 4 CPU ranks (gloo, one thread each), a small Llama-style decoder (separate q,
 projections, so DTensor's tensor-parallel plan applies as torchtitan writes it) with its
 loss inside the module trains with AdamW. Each strategy is set up twice on the same weights:
 
-- ``dp``: ``autopar.compile(force="dp")`` against ``DistributedDataParallel``;
+- ``dp``: ``autopar.compile(force="dp", zero=0)`` against ``DistributedDataParallel``;
 - ``fsdp``: ``autopar.compile(force="fsdp")`` against FSDP2 (``fully_shard`` per block and
   the root);
 - ``tp``: ``autopar.compile(force="tp")``, with a hint banning batch splits on the tp axis
@@ -18,9 +18,13 @@ loss inside the module trains with AdamW. Each strategy is set up twice on the s
   them);
 - ``zero2``: ``autopar.compile(force="dp", zero=2)`` (gradients sharded too: reduce-scatter,
   and an all-gather of the stepped pieces) against FSDP2 with ``reshard_after_forward=False``
-  (parameters gathered once per step, gradients reduce-scattered: ZeRO-2's traffic).
+  (parameters gathered once per step, gradients reduce-scattered: ZeRO-2's traffic);
+- ``pp``: ``autopar.compile(stages=4, schedule="1f1b", microbatches=4)`` with a loss
+  function, stepped by ``train_step``, against ``torch.distributed.pipelining`` written by
+  hand as torchtitan writes it: four stages of one block each (the embedding on the first,
+  the norm and head on the last), ``Schedule1F1B`` over the same microbatches.
 
-All ten run in one job, one step of each in turn (so load from other processes falls on all
+All twelve run in one job, one step of each in turn (so load from other processes falls on all
 alike), after warm-up steps; every other round runs them in reverse order, so that no
 variant always follows the same one. A step is ``zero_grad``, forward with loss, backward,
 ``optimizer.step()``, timed from a barrier to the end on every rank; the step's time is the
@@ -37,17 +41,20 @@ On 1 rank: ``autopar.compile`` on a mesh of one against the eager module, same m
 
 Each autopar row also gives the plan's predicted step time, next to the measured one, and
 ``auto`` is autopar's free choice (no style forced) on the same 4 ranks, measured in the
-same rounds, against the fastest of the PyTorch setups. Plans are made for the preset
-``local-cpu`` when this machine has one (``autopar calibrate`` writes it), else the shipped
-``cpu`` preset; the record says which.
+same rounds, against the fastest of the PyTorch setups. Plans are made for a preset of
+this machine when it has one (``autopar calibrate --ranks 4 --name local-cpu-4`` for the 4
+ranks, ``autopar calibrate`` for the one), else the shipped ``cpu`` preset; the record
+says which.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 import types
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -61,10 +68,10 @@ from benchmarks.common import WithLoss
 from examples.models import build
 
 MODEL = dict(vocab_size=512, seq_len=128, n_layer=4, n_head=8, n_kv_head=4, d_model=256, d_ff=688)
-QUICK_MODEL = dict(vocab_size=64, seq_len=16, n_layer=2, n_head=4, n_kv_head=4, d_model=32, d_ff=64)
+QUICK_MODEL = dict(vocab_size=64, seq_len=16, n_layer=4, n_head=4, n_kv_head=4, d_model=32, d_ff=64)
 BATCH = 8
 LR = 1e-3
-STRATEGIES = ("dp", "fsdp", "tp", "zero1", "zero2")
+STRATEGIES = ("dp", "fsdp", "tp", "zero1", "zero2", "pp")
 # the PyTorch code each strategy is measured against
 BASELINE_NAMES = {
     "dp": "torch DDP",
@@ -72,24 +79,29 @@ BASELINE_NAMES = {
     "tp": "torch DTensor TP",
     "zero1": "torch DDP + ZeroRedundancyOptimizer",
     "zero2": "torch FSDP2 (no reshard)",
+    "pp": "torch pipelining 1F1B",
 }
+PIPELINE = {"stages": 4, "schedule": "1f1b", "microbatches": 4}
 
 
-def _preset() -> str:
-    """``local-cpu`` when ``autopar calibrate`` measured this machine, else ``cpu``."""
+def _preset(ranks: int) -> str:
+    """This machine's preset for ``ranks`` ranks (``local-cpu-4``, ``local-cpu``: written by
+    ``autopar calibrate``), else the shipped ``cpu``."""
     from cost_model.hardware import load_preset
     from plans.errors import AutoparError
 
+    name = "local-cpu" if ranks == 1 else f"local-cpu-{ranks}"
     try:
-        load_preset("local-cpu")
+        load_preset(name)
     except AutoparError:
         return "cpu"
-    return "local-cpu"
+    return name
 
 
 def config(quick: bool) -> dict[str, Any]:
     return {
-        "preset": _preset(),
+        "preset": _preset(4),
+        "single_preset": _preset(1),
         "model": dict(QUICK_MODEL if quick else MODEL),
         "batch": 4 if quick else BATCH,
         "steps": 3 if quick else 40,
@@ -116,46 +128,56 @@ def _wchar() -> int:
 
 
 class Variant:
-    """One way to run the training step, and what was measured of it."""
+    """One way to run the training step, and what was measured of it: ``run`` does the
+    forward and backward of one step and returns the loss (None on a rank without it)."""
 
     def __init__(
         self,
         name: str,
-        module: nn.Module,
-        step_inputs: tuple,
+        run: Callable[[], torch.Tensor | None],
+        optimizer: torch.optim.Optimizer,
         plan: Any = None,
-        optimizer: torch.optim.Optimizer | None = None,
     ):
         self.name = name
-        self.module = module
-        self.inputs = step_inputs
-        self.optimizer = optimizer or torch.optim.AdamW(module.parameters(), lr=LR)
+        self.run = run
+        self.optimizer = optimizer
         self.plan = plan
         self.times: list[float] = []
         self.bytes: list[int] = []
         self.losses: list[float] = []
+
+    @classmethod
+    def of_module(cls, name: str, module: nn.Module, inputs: tuple, **kwargs: Any) -> Variant:
+        """A module whose forward returns the loss."""
+
+        def run() -> torch.Tensor:
+            loss = module(*inputs)
+            loss.backward()
+            return loss
+
+        optimizer = kwargs.pop("optimizer", None) or torch.optim.AdamW(module.parameters(), lr=LR)
+        return cls(name, run, optimizer, **kwargs)
 
     def step(self, record: bool) -> None:
         dist.barrier()
         written = _wchar()
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.module(*self.inputs)
-        loss.backward()
+        loss = self.run()
         self.optimizer.step()
         seconds = time.perf_counter() - start
         sent = _wchar() - written
         if record:
             self.times.append(seconds)
             self.bytes.append(sent)
-            self.losses.append(float(loss.detach()))
+            self.losses.append(float(loss.detach()) if loss is not None else float("nan"))
 
 
 def _pytorch_dp(model: WithLoss, inputs: tuple, rank: int, world: int) -> Variant:
     from torch.nn.parallel import DistributedDataParallel
 
     local = tuple(x.chunk(world)[rank] for x in inputs)
-    return Variant(BASELINE_NAMES["dp"], DistributedDataParallel(model), local)
+    return Variant.of_module(BASELINE_NAMES["dp"], DistributedDataParallel(model), local)
 
 
 def _pytorch_fsdp(
@@ -169,7 +191,7 @@ def _pytorch_fsdp(
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     local = tuple(x.chunk(world)[rank] for x in inputs)
-    return Variant(BASELINE_NAMES["fsdp" if reshard else "zero2"], model, local)
+    return Variant.of_module(BASELINE_NAMES["fsdp" if reshard else "zero2"], model, local)
 
 
 def _pytorch_zero1(model: WithLoss, inputs: tuple, rank: int, world: int) -> Variant:
@@ -179,7 +201,7 @@ def _pytorch_zero1(model: WithLoss, inputs: tuple, rank: int, world: int) -> Var
     ddp = DistributedDataParallel(model)
     optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
     local = tuple(x.chunk(world)[rank] for x in inputs)
-    return Variant(BASELINE_NAMES["zero1"], ddp, local, optimizer=optimizer)
+    return Variant.of_module(BASELINE_NAMES["zero1"], ddp, local, optimizer=optimizer)
 
 
 def _pytorch_tp(model: WithLoss, inputs: tuple, rank: int, world: int) -> Variant:
@@ -220,7 +242,7 @@ def _pytorch_tp(model: WithLoss, inputs: tuple, rank: int, world: int) -> Varian
         attn.n_kv_head //= world
         attn.forward = types.MethodType(_local_attention_forward, attn)
     del Shard  # the plan above names its layouts through the styles
-    return Variant(BASELINE_NAMES["tp"], model, inputs)
+    return Variant.of_module(BASELINE_NAMES["tp"], model, inputs)
 
 
 def _local_attention_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -241,7 +263,58 @@ def _local_attention_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.o_proj(y)
 
 
+class _PipelineStage(nn.Module):
+    """Stage ``index`` of ``stages`` of a Llama-style decoder, one block each: the embedding
+    before the first block, the norm and head after the last (torchtitan's split)."""
+
+    def __init__(self, llama: nn.Module, index: int, stages: int) -> None:
+        super().__init__()
+        per = len(llama.layers) // stages
+        self.embed = llama.embed_tokens if index == 0 else None
+        self.blocks = nn.ModuleList(llama.layers[index * per : (index + 1) * per])
+        last = index == stages - 1
+        self.norm = llama.norm if last else None
+        self.head = llama.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        if self.head is not None:
+            x = self.head(self.norm(x))
+        return x
+
+
+def _token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _pytorch_pp(model: WithLoss, inputs: tuple, rank: int, world: int) -> Variant:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    stage_module = _PipelineStage(model.model, rank, world)
+    stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, PIPELINE["microbatches"], loss_fn=_token_loss)
+    tokens, targets = inputs
+
+    def run() -> torch.Tensor | None:
+        if rank == 0:
+            schedule.step(tokens)
+            return None
+        if rank == world - 1:
+            losses: list[torch.Tensor] = []
+            schedule.step(target=targets, losses=losses)
+            return torch.stack(losses).mean()
+        schedule.step()
+        return None
+
+    optimizer = torch.optim.AdamW(stage_module.parameters(), lr=LR)
+    return Variant(BASELINE_NAMES["pp"], run, optimizer)
+
+
 BASELINES = {
+    "pp": _pytorch_pp,
     "dp": _pytorch_dp,
     "fsdp": _pytorch_fsdp,
     "tp": _pytorch_tp,
@@ -257,12 +330,28 @@ def _autopar(model: WithLoss, inputs: tuple, style: str | None, world: int, pres
     options: dict[str, Any] = {}
     if style in ZERO:
         options.update(force="dp", zero=ZERO[style])
+    elif style == "dp":
+        options.update(force="dp", zero=0)  # DDP: the free ZeRO stage is the "zero" rows'
+    elif style == "pp":
+        return _autopar_pipeline(model, inputs, mesh)
     elif style:
         options["force"] = style
     if style == "tp":  # force="tp" alone lets the batch split on the tp axis too (FSDP-like)
         options["hints"] = {"ban": {"tp": ["data_parallel"]}}
     compiled = autopar.compile(model, mesh, example_inputs=inputs, **options)
-    return Variant(f"autopar {style or 'auto'}", compiled, inputs, compiled.plan)
+    return Variant.of_module(f"autopar {style or 'auto'}", compiled, inputs, plan=compiled.plan)
+
+
+def _autopar_pipeline(model: WithLoss, inputs: tuple, mesh: autopar.Mesh) -> Variant:
+    """The decoder (without its loss) as a pipeline, stepped by ``train_step``."""
+    tokens, targets = inputs
+    compiled = autopar.compile(
+        model.model, mesh, example_inputs=(tokens,), loss_fn=_token_loss, **PIPELINE
+    )
+    optimizer = torch.optim.AdamW(compiled.parameters(), lr=LR)
+    return Variant(
+        "autopar pp", lambda: compiled.train_step(tokens, targets), optimizer, compiled.plan
+    )
 
 
 def _run(variants: list[Variant], steps: int, warmup: int) -> None:
@@ -287,8 +376,8 @@ def single_work(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """On one rank: the compiled module against the eager one."""
     model, inputs = _make_model(cfg["model"], cfg["batch"])
     variants = [
-        _autopar(copy.deepcopy(model), inputs, None, world, cfg["preset"]),
-        Variant("eager", copy.deepcopy(model), inputs),
+        _autopar(copy.deepcopy(model), inputs, None, world, cfg["single_preset"]),
+        Variant.of_module("eager", copy.deepcopy(model), inputs),
     ]
     _run(variants, cfg["steps"], cfg["warmup"])
     return _report(variants)
@@ -322,7 +411,11 @@ def combine(per_rank: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "plan_bytes_per_step": first["plan_bytes"],
             "predicted_s": first["predicted_s"],
             "parallelism": first["parallelism"],
-            "loss_first": first["losses"][0],
+            # the first step's loss where a rank has it (a pipeline's last stage)
+            "loss_first": next(
+                (r[name]["losses"][0] for r in per_rank if not math.isnan(r[name]["losses"][0])),
+                float("nan"),
+            ),
         }
     return combined
 
