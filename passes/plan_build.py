@@ -201,7 +201,8 @@ def _parallelism(
     dim 1 (the sequence) between the tensor-parallel matmuls. Expert matmuls
     (``passes.experts``) are counted apart: an axis is expert-parallel when most of their
     FLOPs have the expert weight sharded on its expert dim; dp and tp are read off the
-    other matmuls.
+    other matmuls. An axis that splits some matmuls but most in none of these ways is
+    ``mixed``.
     """
     mesh_shape = solved.cost.mesh_shape
     batch, weight, total = Counter(), Counter(), 0
@@ -245,6 +246,13 @@ def _parallelism(
         a for a in range(len(mesh_shape)) if total and weight[a] * 2 > total and a not in dp_axes
     ]
     ep_axes = [a for a in range(len(mesh_shape)) if expert_total and experts[a] * 2 > expert_total]
+    # an axis that splits some matmuls but most in no one way: neither label is true of it
+    labelled = {*dp_axes, *tp_axes, *ep_axes}
+    mixed_axes = [
+        a
+        for a in range(len(mesh_shape))
+        if a not in labelled and (batch[a] or weight[a] or experts[a])
+    ]
     sp = any(_sequence_sharded(traced, solved, a) for a in tp_axes)
 
     # FSDP when most of the parameters' elements are stored split over a data-parallel
@@ -271,6 +279,7 @@ def _parallelism(
         tp=product(tp_axes),
         sp=product(tp_axes) if sp else 1,
         ep=product(ep_axes),
+        mixed=product(mixed_axes),
         zero=3 if fsdp else solved.zero,
         microbatches=microbatches,
     )

@@ -35,6 +35,12 @@ class Parallelism(_Frozen):
     pp: int = Field(1, ge=1, description="Pipeline stages.")
     sp: int = Field(1, ge=1, description="Sequence-parallel degree between tensor-parallel ops.")
     ep: int = Field(1, ge=1, description="Expert-parallel degree (experts split).")
+    mixed: int = Field(
+        1,
+        ge=1,
+        description="Degree of the mesh axes that split the matmuls in no one way (some by "
+        "tokens, some by weights, neither for most): no single label above is true of them.",
+    )
     zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 optimizer, 2 +grads, 3 +params.")
     microbatches: int = Field(1, ge=1)
     schedule: Schedule = "none"

@@ -97,8 +97,9 @@ def summary_of(plan: Plan) -> Table:
     summary.add_column("what", style="bold")
     summary.add_column("value")
     p = plan.parallelism
+    mixed = f" mixed={p.mixed}" if p.mixed > 1 else ""
     summary.add_row(
-        "parallelism", f"dp={p.dp} tp={p.tp} sp={p.sp} pp={p.pp} ep={p.ep} zero={p.zero}"
+        "parallelism", f"dp={p.dp} tp={p.tp} sp={p.sp} pp={p.pp} ep={p.ep}{mixed} zero={p.zero}"
     )
     if p.pp > 1:
         chunks = f", {p.chunks} chunks per device" if p.chunks > 1 else ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autopar
 from cost_model.collectives import MeshCost
@@ -76,6 +77,22 @@ def test_two_layer_mlp_gets_megatron_column_then_row_with_one_all_reduce():
     linear = [o for o in plan.ops.values() if o.op == "aten.linear.default"]
     assert [str(o.output) for o in linear] == ["[S(1)]", "[P]"]
     assert plan.estimate.collectives == {"all_reduce": 1}
+
+
+def test_an_axis_split_half_by_batch_and_half_by_weight_is_labelled_mixed(tmp_path):
+    """Neither data nor tensor parallelism is true of an axis that splits one of two equal
+    matmuls by the batch and the other by its weight: ``parallelism`` says so."""
+    hints = tmp_path / "half.yaml"
+    hints.write_text(
+        'mesh: {axes: [x]}\nshard:\n  "0": [x]\n  "2.weight": [x, null]\n  "2": [null, x]\n'
+    )
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    mesh = autopar.Mesh((4,), ("x",), device="h100-sxm")
+    plan = autopar.plan(model, mesh, (torch.randn(32, 64),), stages=1, hints=str(hints))
+    p = plan.parallelism
+    assert (p.dp, p.tp, p.mixed) == (1, 1, 4)
+    free = autopar.plan(model, mesh, (torch.randn(32, 64),), stages=1)
+    assert free.parallelism.mixed == 1
 
 
 def test_lowered_code_runs_the_collectives_the_plan_counts():
