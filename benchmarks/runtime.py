@@ -37,14 +37,16 @@ sends more than its plan's estimate, which counts a ring reduce-scatter; the PyT
 baselines send as much (``ZeroRedundancyOptimizer`` all-reduces by design, and FSDP2's
 reduce-scatter on gloo measures the same bytes).
 
-On 1 rank: ``autopar.compile`` on a mesh of one against the eager module, same model.
+On 1 rank (one process of one thread, as each of the 4 is): ``autopar.compile`` on a mesh
+of one against the eager module, same model.
 
 Each autopar row also gives the plan's predicted step time, next to the measured one, and
 ``auto`` is autopar's free choice (no style forced) on the same 4 ranks, measured in the
 same rounds, against the fastest of the PyTorch setups. Plans are made for a preset of
 this machine when it has one (``autopar calibrate --ranks 4 --name local-cpu-4`` for the 4
-ranks, ``autopar calibrate`` for the one), else the shipped ``cpu`` preset; the record
-says which.
+ranks, ``autopar calibrate --ranks 1 --name local-cpu-1`` for the one: a rank runs one
+thread), else the shipped ``cpu`` preset; the record says which. The predicted step is
+meant to be within 25% of the measured (0.75 to 1.25).
 """
 
 from __future__ import annotations
@@ -85,12 +87,12 @@ PIPELINE = {"stages": 4, "schedule": "1f1b", "microbatches": 4}
 
 
 def _preset(ranks: int) -> str:
-    """This machine's preset for ``ranks`` ranks (``local-cpu-4``, ``local-cpu``: written by
-    ``autopar calibrate``), else the shipped ``cpu``."""
+    """This machine's preset for ``ranks`` one-thread ranks (``local-cpu-4``, ``local-cpu-1``:
+    written by ``autopar calibrate --ranks``), else the shipped ``cpu``."""
     from cost_model.hardware import load_preset
     from plans.errors import AutoparError
 
-    name = "local-cpu" if ranks == 1 else f"local-cpu-{ranks}"
+    name = f"local-cpu-{ranks}"
     try:
         load_preset(name)
     except AutoparError:

@@ -399,27 +399,27 @@ def calibrate(
     quick: bool = False,
     collectives: bool = True,
     device: torch.device | str | None = None,
-    ranks: int = 1,
+    ranks: int | None = None,
 ) -> Calibration:
     """Measure this machine (its first GPU if any, else the CPU) and describe it as a preset.
 
     ``ranks`` (CPU only): the device is one of that many ranks sharing the machine, as
-    ``autopar.testing.run_ranks`` runs them (one torch thread each, the cores divided):
+    ``autopar.testing.run_ranks`` runs them (one torch thread each, whatever the cores):
     every figure is measured by that many processes at once (the module docstring), and
-    memory is divided among them."""
+    memory is divided among them. None: the whole machine, with torch's threads."""
     device = torch.device(device) if device is not None else _default_device()
-    if ranks < 1 or (ranks > 1 and device.type != "cpu"):
-        raise UsageError(f"ranks={ranks}: one or more, and more than one only on a CPU")
+    if ranks is not None and (ranks < 1 or device.type != "cpu"):
+        raise UsageError(f"ranks={ranks}: one or more, and only on a CPU")
     budget = QUICK if quick else FULL
     base = _base_preset(device)
     cores = os.cpu_count() or 1
-    threads = max(1, cores // ranks) if ranks > 1 else torch.get_num_threads()
+    threads = 1 if ranks is not None else torch.get_num_threads()
     notes: list[str] = [
         f"measured by `autopar calibrate{' --quick' if quick else ''}"
-        f"{f' --ranks {ranks}' if ranks > 1 else ''}` on "
+        f"{f' --ranks {ranks}' if ranks is not None else ''}` on "
         f"{_describe(device)} with torch {torch.__version__}"
     ]
-    if ranks > 1:
+    if ranks is not None:
         figures = measure_ranks(ranks, budget, threads)
     else:
         figures = measure_device(device, budget, threads)
@@ -432,14 +432,14 @@ def calibrate(
         "an op; op_rates: FLOP/s of a Linear's and of causal attention's forward and backward "
         "by size (training's small matmuls reach less than the square peak)"
     )
-    if ranks > 1:
+    if ranks is not None:
         notes.append(
             f"one of {ranks} ranks on {cores} cores: every figure measured by {ranks} "
             f"processes at once, {threads} thread(s) each, the median over them; memory "
             f"divided by {ranks}; the collectives on {ranks} processes"
         )
     if collectives:
-        links = _measure_links(device, budget, base, notes, ranks)
+        links = _measure_links(device, budget, base, notes, ranks or 1)
     else:
         links = Links(_achievable(base.intra_node, base), base.launch_overhead, base.comm_overlap)
         notes.append(f"intra-node link: not measured (collectives skipped), kept from {base.name}")
@@ -458,7 +458,7 @@ def calibrate(
         name=name or default_name(device),
         description=f"calibrated on {_describe(device)}",
         peak_flops={**peaks, **{k: _rounded(v) for k, v in borrowed.items()}},
-        memory_bytes=_device_memory(device) / ranks,
+        memory_bytes=_device_memory(device) / (ranks or 1),
         memory_bandwidth=_rounded(figures.memory_bandwidth),
         gpus_per_node=gpus_per_node,
         intra_node=links.intra,

@@ -41,10 +41,11 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--ranks",
         type=int,
-        default=1,
+        default=None,
         metavar="N",
         help="on a CPU: the preset describes one of N ranks sharing this machine (one "
-        "thread each, as local gloo ranks run), its share of compute and memory",
+        "thread each, as local gloo ranks run), its share of compute and memory "
+        "(default: the whole machine, all its threads)",
     )
     parser.add_argument(
         "--skip-collectives",
