@@ -297,6 +297,28 @@ class CostModel:
         latencies): its time on one byte."""
         return self.mesh_cost.collective(kind, 1.0, axes).time
 
+    def prefetched(
+        self,
+        info: TensorInfo,
+        src: Layout,
+        dst: Layout,
+        requires_grad: bool,
+        regathered: bool = False,
+        param: str = "",
+    ) -> tuple[float, float]:
+        """(forward, backward) seconds of ``edge_time`` that are ``param``'s FSDP group
+        gather, which the runtime prefetches behind the group before
+        (``runtime.param_groups``): the gather from the parameter's shard, and its regather
+        in backward. 0 for what joins no group."""
+        found = self.gather_share.get(param)
+        if src == dst or found is None:
+            return 0.0, 0.0
+        forward, _ = self._reshard_steps(info, src, dst, requires_grad)
+        if not forward or forward[0].kind != "all_gather":
+            return 0.0, 0.0
+        gather = self._steps_time(forward[:1], found.share, 0, "all_gather")
+        return gather, gather if regathered else 0.0
+
     def group_call(
         self,
         info: TensorInfo,
@@ -305,11 +327,11 @@ class CostModel:
         requires_grad: bool,
         regathered: bool = False,
         param: str = "",
-    ) -> tuple[tuple[str, tuple[int, ...]], float] | None:
+    ) -> GroupCallCost | None:
         """The FSDP group call that the reshard of ``param`` from ``src`` to ``dst`` joins
-        (``edge_time`` priced its bytes): ``((group, mesh axes), seconds)``, the fixed cost
-        of the group's gather, its regather and its reduce-scatter, paid once a microbatch
-        for the whole group however many of its members join. None when it joins none."""
+        (``edge_time`` priced its bytes), with the fixed cost of the group's gather, its
+        regather and its reduce-scatter, paid once a microbatch for the whole group however
+        many of its members join. None when it joins none."""
         found = self.gather_share.get(param)
         if src == dst or found is None or found.share >= 1.0:
             return None
@@ -317,11 +339,11 @@ class CostModel:
         if not forward or forward[0].kind != "all_gather":
             return None
         axes = forward[0].axes
-        gathers = 2 if regathered else 1
-        seconds = gathers * self.call_fixed("all_gather", axes)
+        gather = self.call_fixed("all_gather", axes)
+        reduce = 0.0
         if backward and backward[-1].kind == "reduce_scatter":
-            seconds += self.call_fixed("reduce_scatter", backward[-1].axes)
-        return (found.group, axes), seconds
+            reduce = self.call_fixed("reduce_scatter", backward[-1].axes)
+        return GroupCallCost(found.group, axes, gather, gather if regathered else 0.0, reduce)
 
     @cached_property
     def compute_itemsize(self) -> int:
@@ -476,6 +498,26 @@ def sync_buckets(params: list[tuple[tuple[int, ...], int]]) -> int:
     make fewer; counting them whole errs toward more hiding."""
     items = [(0, math.prod(shape) * itemsize) for shape, itemsize in reversed(params)]
     return max(len(ddp_buckets(items)), 1)
+
+
+@dataclass(frozen=True)
+class GroupCallCost:
+    """The fixed seconds of an FSDP group's calls (``CostModel.group_call``): its forward
+    gather, its regather in backward, its reduce-scatter, on ``axes``."""
+
+    group: str
+    axes: tuple[int, ...]
+    gather: float
+    regather: float
+    reduce: float
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...]]:
+        return self.group, self.axes
+
+    @property
+    def seconds(self) -> float:
+        return self.gather + self.regather + self.reduce
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ Variables (``passes.decisions`` made them few):
 - An edge's pair may also hold memory: a consumer that keeps its input for backward keeps
   the resharded copy when the input arrives resharded; that is a term of the memory row.
 - ``t >= 0`` continuous: the overlappable communication of one pass (gradient sync;
-  parameter gathers block, the runtime does not prefetch them) that one microbatch's
+  parameter gathers have their own rows, ``PrefetchLink``) that one microbatch's
   backward cannot hide: gradients are synchronised in ``k`` buckets (the runtime's DDP
   buckets), each launched when full, so all but the last can hide behind the backward
   still to run (``cost_model.step.exposed_gradient_sync``). A step runs ``P`` such passes
@@ -26,6 +26,7 @@ Objective::
     min  sum_d sum_k s[d,k] (compute[d,k] + comm[d,k])
        + sum_edges sum_{p,q} R[p,q] e[p,q]
        + sum_groups cost_g g        (a grouped call's fixed cost, once: ``GroupCall``)
+       + f sum_links weight_l w_l   (prefetched gathers' waits: ``PrefetchLink``)
        + P t
        + recomputed forward time (``RecomputeTerm``)
 
@@ -176,6 +177,44 @@ class GroupCall:
 
 
 @dataclass
+class PrefetchLink:
+    """A parameter gather the runtime prefetches behind the part before it (FSDP2's
+    prefetch, ``runtime.param_groups``; ``cost_model.step.prefetch_waits``): of its
+    seconds ``G`` (linear in the members: edge pairs, ``edges``, choices of decisions whose
+    edge is inside them, ``choices``, and group calls' fixed costs, ``calls``), the part before
+    hides what compute hides of it, its compute at its least (``hiding``, ``C``, a constant
+    as the gradient sync's ``B_min``). With ``f`` the share compute hides
+    (``IlpProblem.overlap``) it waits ``(1 - f) G + f max(0, G - C)``: the edges carry
+    ``(1 - f) G`` (``passes.problem`` takes ``f G`` off them) and, with ``w >= 0``::
+
+        w >= G - C,    objective: + f weight w
+
+    ``weight``: how many such gathers a step runs (identical layers times microbatches).
+    The first gather of a pass hides behind nothing (``C = 0``)."""
+
+    weight: float
+    hiding: float
+    edges: dict[int, dict[tuple[int, int], float]] = field(default_factory=dict)
+    choices: dict[str, list[float]] = field(default_factory=dict)
+    calls: dict[int, float] = field(default_factory=dict)  # ``IlpProblem.group_calls`` index
+    # the link (index in ``IlpProblem.prefetch``) whose gathers launch this one: ``C``
+    # hides it only when that link gathers (``y <= its members``, ``w >= G - C y``);
+    # None: always (a layer behind an identical one gathers whenever it does)
+    after: int | None = None
+
+    def seconds(self, problem: IlpProblem, choice: dict[str, int]) -> float:
+        """``G`` under ``choice``."""
+        total = sum(row[choice[d]] for d, row in self.choices.items())
+        calls = problem.group_calls
+        total += sum(s for g, s in self.calls.items() if calls[g].runs(problem, choice))
+        for e, members in self.edges.items():
+            edge = problem.edges[e]
+            pair = (edge.left_class[choice[edge.left]], edge.right_class[choice[edge.right]])
+            total += members.get(pair, 0.0)
+        return total
+
+
+@dataclass
 class IlpProblem:
     """Coefficients per decision choice and per edge, as ``passes.solve`` builds them."""
 
@@ -190,6 +229,7 @@ class IlpProblem:
     recompute: list[RecomputeTerm] = field(default_factory=list)
     recompute_budgets: list[RecomputeBudget] = field(default_factory=list)
     group_calls: list[GroupCall] = field(default_factory=list)
+    prefetch: list[PrefetchLink] = field(default_factory=list)
     buckets: int = 1  # gradient-sync buckets (layers): see the exposed-communication rows
     sync_passes: int = 1  # how often a step runs the overlappable sync (P in the objective)
     overlap: float = 1.0  # the share of hideable communication compute hides (f)
@@ -231,6 +271,7 @@ def dominates(better: IlpProblem, worse: IlpProblem) -> bool:
         and better.memory_limit == worse.memory_limit
         and better.edges == worse.edges
         and better.group_calls == worse.group_calls
+        and better.prefetch == worse.prefetch
         and better.recompute == worse.recompute
         and better.recompute_budgets == worse.recompute_budgets
         and no_larger(better.overlappable, worse.overlappable)
@@ -247,6 +288,10 @@ def objective_at(problem: IlpProblem, choice: dict[str, int]) -> float:
         pair = (edge.left_class[choice[edge.left]], edge.right_class[choice[edge.right]])
         total += edge.cost.get(pair, 0.0)
     total += sum(call.cost for call in problem.group_calls if call.runs(problem, choice))
+    for link in problem.prefetch:
+        launched = link.after is not None and problem.prefetch[link.after].seconds(problem, choice)
+        waits = max(link.seconds(problem, choice) - (link.hiding if launched else 0.0), 0.0)
+        total += problem.overlap * link.weight * waits
     overlapped = sum(problem.overlappable.get(d, [0.0] * (k + 1))[k] for d, k in choice.items())
     if problem.hide_all:
         return total
@@ -273,6 +318,7 @@ def cannot_beat(base: IlpProblem, other: IlpProblem) -> bool:
         or base.allowed != other.allowed
         or base.edges != other.edges
         or base.group_calls != other.group_calls
+        or base.prefetch != other.prefetch
         or base.hidden_by != other.hidden_by
         or base.buckets != other.buckets
         or base.overlap != other.overlap
@@ -337,6 +383,7 @@ def solve_ilp(
     edge_memory: list[object] = []
     pairs: list[dict[tuple[int, int], object]] = []  # per edge: (p, q) -> its product
     grouped = {e for call in problem.group_calls for e in call.edges}
+    grouped |= {e for link in problem.prefetch for e in link.edges}
     for edge in problem.edges:
         pairs.append(
             _add_edge(
@@ -351,13 +398,27 @@ def solve_ilp(
             )
         )
         n_edge += sum(isinstance(v, pulp.LpVariable) for v in pairs[-1].values())
+    runs_of = []
     for g, call in enumerate(problem.group_calls):
         runs = model.add_variable(f"g_{g}", lowBound=0, upBound=1)
+        runs_of.append(runs)
         for e, members in call.edges.items():
             model += runs >= pulp.lpSum(pairs[e][pq] for pq in members)
         for d, chosen in call.choices.items():
             model += runs >= pulp.lpSum(select[d][k] for k in chosen)
         objective.append(call.cost * runs)
+    links = problem.prefetch if problem.overlap > 0 else []
+    gathers_of = [_link_terms(link, pairs, select, runs_of) for link in links]
+    for i, link in enumerate(links):
+        wait = model.add_variable(f"w_{i}", lowBound=0)
+        hiding: object = 0.0
+        if link.after is not None and link.hiding > 0:
+            # the part before hides it only if it gathers too (it launches this gather)
+            launched = model.add_variable(f"y_{i}", lowBound=0, upBound=1)
+            model += launched <= pulp.lpSum(gathers_of[link.after][1])
+            hiding = link.hiding * launched
+        model += wait >= pulp.lpSum(gathers_of[i][0]) - hiding
+        objective.append(problem.overlap * link.weight * wait)
     exposed = model.add_variable("exposed_comm", lowBound=0)
     overlap_terms = [
         coefficient * value
@@ -431,7 +492,7 @@ def solve_ilp(
         ),
         time_s=elapsed,
         time_limit_s=time_limit,
-        variables=n_binary + n_edge + len(problem.group_calls) + 1,
+        variables=n_binary + n_edge + len(problem.group_calls) + len(problem.prefetch) + 1,
         constraints=model.numConstraints(),
         objective=float(objective_value) if objective_value is not None else None,
         gap=_gap(model, used),
@@ -536,6 +597,31 @@ def _times_digit(
             forward.append(f * z)
     model += pulp.lpSum(shares) == r
     return saving, forward
+
+
+def _link_terms(
+    link: PrefetchLink,
+    pairs: list[dict[tuple[int, int], object]],
+    select: dict[str, list[pulp.LpVariable | float]],
+    runs_of: list[pulp.LpVariable],
+) -> tuple[list[object], list[object]]:
+    """A link's gather seconds ``G`` as terms, and the indicators of its members that
+    gather (their sum is at least 1 when it gathers at all)."""
+    seconds: list[object] = []
+    indicators: list[object] = []
+    for e, members in link.edges.items():
+        for pq, value in members.items():
+            seconds.append(value * pairs[e][pq])
+            indicators.append(pairs[e][pq])
+    for d, row in link.choices.items():
+        for k, value in enumerate(row):
+            if value:
+                seconds.append(value * select[d][k])
+                indicators.append(select[d][k])
+    for g, value in link.calls.items():
+        seconds.append(value * runs_of[g])
+        indicators.append(runs_of[g])
+    return seconds, indicators
 
 
 def _add_edge(

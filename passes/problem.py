@@ -10,8 +10,9 @@ backward. Edges out of a parameter (the all-gather of an FSDP-sharded weight, an
 reduce-scatter in backward) are inline like any other, their bytes priced at the speed of
 their FSDP group's one call and the call's fixed cost paid once for the group
 (``ilp.GroupCall``). The runtime prefetches each group's gather behind the group before
-(``runtime.param_groups``), which the plan's ledger counts; the ILP does not, so it errs
-toward gathers costing more than they do.
+(``runtime.param_groups``): the edges carry what compute cannot hide of a gather, and
+``ilp.PrefetchLink`` the wait the rest leaves, by the ledger's rule, with the compute that
+hides it at its least (so the ILP errs toward gathers costing more than they do).
 
 Costs are computed once per *representative* edge and node and multiplied by how many
 identical layers repeat them, so building the problem stays flat in depth.
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from passes.annotation import TensorInfo
 from passes.costs import CostModel
 from passes.decisions import Decisions
-from passes.ilp import EdgeTerm, GroupCall, IlpProblem, Matrix
+from passes.ilp import EdgeTerm, GroupCall, IlpProblem, Matrix, PrefetchLink
 from plans.placement import Layout
 
 
@@ -50,6 +51,16 @@ class KeptCopy:
 
 
 @dataclass
+class Prefetched:
+    """The gathers of one place (``before`` the layers, one ``layer``, ``after``) in one
+    pass, as ``PrefetchLink`` members."""
+
+    edges: dict[int, dict[tuple[int, int], float]] = field(default_factory=dict)
+    choices: dict[str, list[float]] = field(default_factory=dict)
+    calls: dict[tuple[str, tuple[int, ...]], float] = field(default_factory=dict)  # fixed cost
+
+
+@dataclass
 class ProblemParts:
     """The ILP plus the per-choice breakdowns the plan's estimate reads back."""
 
@@ -70,6 +81,16 @@ class ProblemParts:
     kept_copies: dict[tuple[str, int, str, int], KeptCopy] = field(default_factory=dict)
     # (FSDP group, mesh axes) -> the fixed cost of its calls, once a microbatch
     group_calls: dict[tuple[str, tuple[int, ...]], GroupCall] = field(default_factory=dict)
+    # what the runtime prefetches (FSDP groups' gathers, ``PrefetchLink``): per (place,
+    # pass) the seconds of one copy of the place (``before`` the layers, ``layer3``,
+    # ``after``), per edge pair, per choice or per group call; those seconds per edge pair
+    # and per choice over all copies; each place's compute at its least (forward,
+    # backward) for one copy; how many identical copies a place stands for
+    prefetch: dict[tuple[str, int], Prefetched] = field(default_factory=dict)
+    prefetchable: dict[int, Matrix] = field(default_factory=dict)
+    self_prefetchable: dict[str, list[float]] = field(default_factory=dict)
+    least_compute: dict[str, list[float]] = field(default_factory=dict)
+    copies: dict[str, int] = field(default_factory=dict)
 
     def edge_memory(self, choice: dict[str, int]) -> float:
         """Bytes per device of the resharded copies the chosen strategies keep."""
@@ -132,18 +153,24 @@ def build_problem(
         parts.self_memory = {name: list(row) for name, row in edges_of.self_memory.items()}
         parts.kept_copies = dict(edges_of.kept_copies)
         parts.group_calls = dict(edges_of.group_calls)
+        parts.prefetch = dict(edges_of.prefetch)
+        parts.prefetchable = dict(edges_of.prefetchable)
+        parts.self_prefetchable = dict(edges_of.self_prefetchable)
+        parts.copies = dict(edges_of.copies)
     problem = parts.problem
     problem.sync_passes = cost.sync_passes(microbatches)
-    problem.overlap = cost.mesh_cost.preset.comm_overlap
+    problem.overlap = overlap = cost.mesh_cost.preset.comm_overlap
     for name in choices:
         fwd, bwd = parts.compute_fwd[name], parts.compute_bwd[name]
         problem.hidden_by[name] = list(bwd)
+        hideable = parts.self_prefetchable.get(name, [0.0] * len(fwd))
         problem.cost[name] = [
-            microbatches * (f + b + e) + after + optimizer
-            for f, b, e, after, optimizer in zip(
+            microbatches * (f + b + e - overlap * h) + after + optimizer
+            for f, b, e, h, after, optimizer in zip(
                 fwd,
                 bwd,
                 parts.self_edge[name],
+                hideable,
                 parts.after_step[name],
                 parts.optimizer_step[name],
                 strict=True,
@@ -160,13 +187,29 @@ def build_problem(
             )
         ]
     problem.edges = [
-        replace(term, cost={pq: microbatches * c for pq, c in term.cost.items()})
-        if microbatches != 1
+        replace(
+            term,
+            cost={
+                pq: microbatches * (c - overlap * parts.prefetchable.get(e, {}).get(pq, 0.0))
+                for pq, c in term.cost.items()
+            },
+        )
+        if microbatches != 1 or e in parts.prefetchable
         else term
-        for term, _, _ in parts.edge_terms
+        for e, (term, _, _) in enumerate(parts.edge_terms)
     ]
+    problem.prefetch = _prefetch_links(parts, microbatches)
+    hidden_calls = {
+        key: sum(
+            parts.copies.get(key[0], 1) * found.calls.get(key, 0.0)
+            for (place, _), found in parts.prefetch.items()
+            if place == key[0]
+        )
+        for key in parts.group_calls
+    }
     problem.group_calls = [
-        replace(call, cost=microbatches * call.cost) for call in parts.group_calls.values()
+        replace(call, cost=microbatches * (call.cost - overlap * hidden_calls[key]))
+        for key, call in parts.group_calls.items()
     ]
     return parts
 
@@ -176,7 +219,12 @@ def _node_costs(
 ) -> None:
     """Compute, memory and gradient sync of every node, per choice of its decision."""
     repeats = Counter(representatives.get(n, n) for n in decisions.bindings)
+    layers_seen = False
     for node_name, binding in decisions.bindings.items():
+        found = decisions.choices[node_name].note
+        layer = None if found is None else found.layer
+        layers_seen = layers_seen or layer is not None
+        place = f"layer{layer}" if layer is not None else "after" if layers_seen else "before"
         rep = representatives.get(node_name, node_name)
         if rep != node_name or node_name in decisions.tied:
             continue  # counted through its representative (times the repeats) or its twin
@@ -185,6 +233,7 @@ def _node_costs(
         if binding.source is not None or choices.kind in ("input", "buffer", "constant", "output"):
             continue
         name = binding.decision
+        least: list[tuple[float, float]] = []
         for k in range(len(decisions.decisions[name].strategies)):
             strategy = decisions.strategy(node_name, k)
             note = choices.note
@@ -205,6 +254,11 @@ def _node_costs(
             parts.compute_fwd[name][k] += times * fwd
             parts.compute_bwd[name][k] += times * bwd
             parts.activations[name][k] += times * cost.activation_bytes(note, strategy, node_name)
+            least.append((fwd, bwd))
+        if least:  # one copy's compute at its least, each pass apart
+            held = parts.least_compute.setdefault(place, [0.0, 0.0])
+            held[0] += min(f for f, _ in least)
+            held[1] += min(b for _, b in least)
 
 
 def _edge_costs(
@@ -259,6 +313,9 @@ def _edge_costs(
         )
         cast_m: Matrix = {}
         joins: dict[tuple[str, tuple[int, ...]], set[tuple[int, int]]] = {}
+        share = cost.gather_share.get(producer)
+        place = None if share is None else share.group
+        hide_m: dict[tuple[int, int], tuple[float, float]] = {}  # per pair, one copy
         for p, src in enumerate(left_classes):
             for q, dst in enumerate(right_classes):
                 fwd, bwd = cost.edge_time(
@@ -268,9 +325,19 @@ def _edge_costs(
                     info, src, dst, note.requires_grad, regathered, param=producer
                 )
                 if call is not None:
-                    group = parts.group_calls.setdefault(call[0], GroupCall(0.0))
-                    group.cost = max(group.cost, times * call[1])
-                    joins.setdefault(call[0], set()).add((p, q))
+                    joined = parts.group_calls.setdefault(call.key, GroupCall(0.0))
+                    joined.cost = max(joined.cost, times * call.seconds)
+                    joins.setdefault(call.key, set()).add((p, q))
+                    for side, fixed in enumerate((call.gather, call.regather)):
+                        held = parts.prefetch.setdefault((call.group, side), Prefetched()).calls
+                        held[call.key] = max(held.get(call.key, 0.0), fixed)
+                    parts.copies[call.group] = max(parts.copies.get(call.group, 1), times)
+                if place is not None:
+                    gather, regather = cost.prefetched(
+                        info, src, dst, note.requires_grad, regathered, param=producer
+                    )
+                    if gather or regather:
+                        hide_m[(p, q)] = (gather, regather)
                 if fwd or bwd:
                     fwd_m[(p, q)] = times * fwd
                     bwd_m[(p, q)] = times * bwd
@@ -296,15 +363,32 @@ def _edge_costs(
             for k, (p, q) in enumerate(zip(left_class, right_class, strict=True)):
                 parts.self_edge[left][k] += fwd_m.get((p, q), 0.0) + bwd_m.get((p, q), 0.0)
                 parts.self_memory[left][k] += memory_m.get((p, q), 0.0)
-            for group, members in joins.items():
-                chosen = parts.group_calls[group].choices
+            for call_key, members in joins.items():
+                chosen = parts.group_calls[call_key].choices
                 pairs = enumerate(zip(left_class, right_class, strict=True))
                 ks = {k for k, pq in pairs if pq in members}
                 chosen[left] = chosen.get(left, frozenset()) | ks
+            if hide_m and place is not None:
+                count = len(left_class)
+                row = parts.self_prefetchable.setdefault(left, [0.0] * count)
+                for side in (0, 1):
+                    seconds = parts.prefetch.setdefault((place, side), Prefetched())
+                    mine = seconds.choices.setdefault(left, [0.0] * count)
+                    for k, pq in enumerate(zip(left_class, right_class, strict=True)):
+                        mine[k] += hide_m.get(pq, (0.0, 0.0))[side]
+                for k, pq in enumerate(zip(left_class, right_class, strict=True)):
+                    row[k] += times * sum(hide_m.get(pq, (0.0, 0.0)))
+                parts.copies[place] = max(parts.copies.get(place, 1), times)
             continue
-        for group, members in joins.items():
-            edges = parts.group_calls[group].edges
-            edges[len(parts.edge_terms)] = frozenset(members)
+        edge = len(parts.edge_terms)
+        for call_key, members in joins.items():
+            parts.group_calls[call_key].edges[edge] = frozenset(members)
+        if hide_m and place is not None:
+            for side in (0, 1):
+                seconds = parts.prefetch.setdefault((place, side), Prefetched())
+                seconds.edges[edge] = {pq: pair[side] for pq, pair in hide_m.items() if pair[side]}
+            parts.prefetchable[edge] = {pq: times * sum(pair) for pq, pair in hide_m.items()}
+            parts.copies[place] = max(parts.copies.get(place, 1), times)
         # a parameter's gather is charged inline too (see the module's docs on prefetch)
         parts.edge_terms.append(
             (
@@ -320,6 +404,42 @@ def _edge_costs(
                 bwd_m,
             )
         )
+
+
+def _prefetch_links(parts: ProblemParts, microbatches: int) -> list[PrefetchLink]:
+    """The runtime's prefetch chains as ``PrefetchLink``s: the forward's gathers in order
+    (what runs before the layers, each layer, what runs after), each behind the place
+    before it in the chain, the first behind nothing; the backward's regathers in
+    reverse; each pass once a microbatch. A place that stands for ``n`` identical layers
+    is ``n`` links: the first behind the place before, the others behind the layer. A
+    place without gathers is no link, and one that could gather hides the next only
+    where it does (``runtime.param_groups`` chains groups, not parts)."""
+    places = {place for place, _ in parts.prefetch}
+    layers = sorted((p for p in places if p.startswith("layer")), key=lambda p: int(p[5:]))
+    forward = [p for p in ("before", *layers, "after") if p in places]
+    calls = {key: i for i, key in enumerate(parts.group_calls)}
+    links = []
+    for side, order in ((0, forward), (1, forward[::-1])):
+        before: tuple[float, int] | None = None  # the chain's last place: compute, link
+        for place in order:
+            found = parts.prefetch.get((place, side))
+            if found is None or not (found.edges or found.choices or any(found.calls.values())):
+                continue
+            compute = parts.least_compute.get(place, [0.0, 0.0])[side]
+            members = {
+                "edges": found.edges,
+                "choices": found.choices,
+                "calls": {calls[key]: s for key, s in found.calls.items() if s},
+            }
+            copies = parts.copies.get(place, 1)
+            hiding, after = before if before is not None else (0.0, None)
+            first = len(links)
+            links.append(PrefetchLink(microbatches, hiding, after=after, **members))
+            if copies > 1:
+                weight = microbatches * (copies - 1)
+                links.append(PrefetchLink(weight, compute, **members))
+            before = (compute, first)
+    return links
 
 
 def reuses_edges(cost: CostModel, other: CostModel) -> bool:

@@ -159,7 +159,7 @@ def layer_costs(
                 call = cost.group_call(*reshard, param=source.producer)
                 if call is not None:
                     runs = calls.setdefault(id(part), {})
-                    runs[call[0]] = max(runs.get(call[0], 0.0), call[1])
+                    runs[call.key] = max(runs.get(call.key, 0.0), call.seconds)
                 found = cost.autocast_saved
                 if found is not None and (source.producer, node.name) in found.weight_casts:
                     info = producer.note.outputs[source.index]
