@@ -28,6 +28,7 @@ TARGETS = {
     "quality": 1.0,  # autopar step time / baseline step time
     "runtime": 1.05,  # compiled step time / PyTorch step time
 }
+FIDELITY = (0.75, 1.25)  # a plan's predicted step time / its measured one (runtime section)
 
 
 def _begin(name: str) -> str:
@@ -502,9 +503,26 @@ def runtime(record: dict[str, Any] | None) -> str:
     )
     cfg = data["config"]
     model = ", ".join(f"{k}={v}" for k, v in cfg["model"].items())
+    low, high = FIDELITY
+    predicted = [r for r in rows if r.get("predicted_step_s") is not None]
+    off = [r for r in predicted if not low <= r["predicted_step_s"] / r["autopar_step_s"] <= high]
+    fidelity = (
+        ""
+        if not predicted
+        else "Met for every strategy."
+        if not off
+        else "**Missed** for "
+        + ", ".join(
+            f"{r['strategy']} ({r['predicted_step_s'] / r['autopar_step_s']:.2f})" for r in off
+        )
+        + "."
+    )
     lines += [
         f"Target: autopar's step within {100 * (target - 1):.0f}% of the matching PyTorch "
         f"code (ratio <= {target}). {verdict}",
+        "",
+        f"Target: the plan's predicted step within 25% of the measured one ({low} to {high}). "
+        f"{fidelity}",
         "",
         _provenance(record),
         "",
@@ -516,7 +534,7 @@ def runtime(record: dict[str, Any] | None) -> str:
         "",
         "| strategy | ranks | autopar (ms) | PyTorch | PyTorch (ms) | ratio | per-step ratios "
         "(quartiles) | target | bytes sent / step: autopar | PyTorch | autopar's plan estimate "
-        "| autopar's plan (dp, tp, zero) | predicted (ms) | predicted / measured |",
+        "| autopar's plan (dp, tp, pp, zero) | predicted (ms) | predicted / measured |",
         "|---|---:|---:|---|---:|---:|---|---|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
@@ -528,7 +546,7 @@ def runtime(record: dict[str, Any] | None) -> str:
             f"| {r['baseline']} | {1e3 * r['baseline_step_s']:.1f} | {r['ratio']:.2f} | {spread} "
             f"| {_ok(r['ratio'] <= target)} | {_bytes(r['autopar_bytes'])} "
             f"| {_bytes(r['baseline_bytes'])} | {_bytes(r['plan_bytes'])} "
-            f"| {p['dp']}, {p['tp']}, {p['zero']} | {_predicted(r)} |"
+            f"| {p['dp']}, {p['tp']}, {p.get('pp', 1)}, {p['zero']} | {_predicted(r)} |"
         )
     return "\n".join(lines)
 
