@@ -360,7 +360,9 @@ class CostModel:
         microbatch's backward; DDP's ``no_sync`` in the others)."""
         return microbatches if self.zero >= 2 else 1
 
-    def bucketed(self, kind: str, nbytes: float, axes: tuple[int, ...]) -> float:
+    def bucketed(
+        self, kind: str, nbytes: float, axes: tuple[int, ...], whole: float | None = None
+    ) -> float:
         """Seconds of one parameter's share of a bucketed collective (gradient sync, ZeRO):
         a whole bucket's call (``bucket_bytes``) in proportion to its bytes. The runtime
         sums gradients in DDP's 25 MiB buckets (``plans.buckets``), so it pays a call's
@@ -368,11 +370,15 @@ class CostModel:
         of small tensors paid it hundreds of times in the ILP), and the bytes move at a
         bucket's speed, not a small tensor's (``Link.bandwidth_by_kind``); a model smaller
         than a bucket pays it once in all. A parameter larger than a bucket is a bucket of
-        its own."""
-        if nbytes <= 0 or nbytes >= self.bucket_bytes:
+        its own. ``whole``: the parameter's bytes in the bucket as filled, where a call
+        moves less of it (ZeRO's piece shrinking axis by axis: the bucket shrinks alike, so
+        the parameter's share of the call stays ``whole / bucket_bytes``; priced by the
+        piece's bytes instead, the second axis's call was paid an eighth of on 8x8)."""
+        whole = nbytes if whole is None else whole
+        if nbytes <= 0 or whole >= self.bucket_bytes:
             return self.mesh_cost.collective(kind, nbytes, axes).time
-        bucket = self.mesh_cost.collective(kind, self.bucket_bytes, axes).time
-        return bucket * nbytes / self.bucket_bytes
+        share = whole / self.bucket_bytes
+        return self.mesh_cost.collective(kind, nbytes / share, axes).time * share
 
     def param_cost(self, info: TensorInfo, layout: Layout, node: str = "") -> ParamCost:
         """Memory and gradient-sync time of a parameter stored in ``layout`` (``node``: its
@@ -405,13 +411,13 @@ class CostModel:
                 sync += self.bucketed("all_reduce", wire, (axis,))
         piece = wire
         for axis in zero_axes:
-            sync += self.bucketed("reduce_scatter", piece, (axis,))
+            sync += self.bucketed("reduce_scatter", piece, (axis,), whole=wire)
             piece /= self.mesh_shape[axis]
         working = self.compute_itemsize if cast else self.stored_itemsize(info)
         gathered = info.numel * working / shard / zero_shard
         for axis in reversed(zero_axes):
             gathered *= self.mesh_shape[axis]
-            step += self.bucketed("all_gather", gathered, (axis,))
+            step += self.bucketed("all_gather", gathered, (axis,), whole=wire)
         stepped = info.numel / shard / zero_shard
         master = self.stored_itemsize(info)  # the weights the optimizer steps
         preset = self.mesh_cost.preset
