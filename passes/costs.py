@@ -310,14 +310,25 @@ class CostModel:
         gather, which the runtime prefetches behind the group before
         (``runtime.param_groups``): the gather from the parameter's shard, and its regather
         in backward. 0 for what joins no group."""
-        found = self.gather_share.get(param)
-        if src == dst or found is None:
+        joined = self._joined_gather(info, src, dst, requires_grad, param)
+        if joined is None:
             return 0.0, 0.0
-        forward, _ = self._reshard_steps(info, src, dst, requires_grad)
-        if not forward or forward[0].kind != "all_gather":
-            return 0.0, 0.0
+        found, forward, _ = joined
         gather = self._steps_time(forward[:1], found.share, 0, "all_gather")
         return gather, gather if regathered else 0.0
+
+    def _joined_gather(
+        self, info: TensorInfo, src: Layout, dst: Layout, requires_grad: bool, param: str
+    ) -> tuple[GroupShare, tuple[ReshardStep, ...], tuple[ReshardStep, ...]] | None:
+        """``param``'s FSDP group and the reshard's (forward, backward) steps, when its first
+        step is the gather from the parameter's shard that joins the group's call."""
+        found = self.gather_share.get(param)
+        if src == dst or found is None:
+            return None
+        forward, backward = self._reshard_steps(info, src, dst, requires_grad)
+        if not forward or forward[0].kind != "all_gather":
+            return None
+        return found, forward, backward
 
     def group_call(
         self,
@@ -332,12 +343,10 @@ class CostModel:
         (``edge_time`` priced its bytes), with the fixed cost of the group's gather, its
         regather and its reduce-scatter, paid once a microbatch for the whole group however
         many of its members join. None when it joins none."""
-        found = self.gather_share.get(param)
-        if src == dst or found is None or found.share >= 1.0:
+        joined = self._joined_gather(info, src, dst, requires_grad, param)
+        if joined is None or joined[0].share >= 1.0:
             return None
-        forward, backward = self._reshard_steps(info, src, dst, requires_grad)
-        if not forward or forward[0].kind != "all_gather":
-            return None
+        found, forward, backward = joined
         axes = forward[0].axes
         gather = self.call_fixed("all_gather", axes)
         reduce = 0.0

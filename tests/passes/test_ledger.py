@@ -102,6 +102,22 @@ def test_the_solver_prices_parameter_gathers_as_the_runtime_groups_them(tmp_path
     assert plan.solver.objective == pytest.approx(plan.estimate.step_time_s, rel=0.02)
 
 
+def _fast_link_mesh(tmp_path, overlap: float) -> autopar.Mesh:
+    """4 devices that compute at CPU speed on a fast link (layers compute longer than
+    their gathers), compute hiding ``overlap`` of what runs beside it."""
+    from cost_model import load_preset, save_preset
+
+    preset = load_preset("cpu").model_copy(
+        update={
+            "name": f"overlap-{overlap:g}",
+            "comm_overlap": overlap,
+            "intra_node": load_preset("h100-sxm").intra_node,
+        }
+    )
+    path = save_preset(preset, tmp_path / f"overlap-{overlap:g}.yaml")
+    return autopar.Mesh((4,), ("dp",), device=str(path))
+
+
 def test_fsdp_gathers_hide_behind_the_part_before_them(tmp_path):
     """FSDP2's prefetch (``runtime.param_groups``): each group's gather runs while the
     group before it computes, so on a fast link with layers that compute longer than
@@ -110,21 +126,10 @@ def test_fsdp_gathers_hide_behind_the_part_before_them(tmp_path):
     the backward only for the first regather (the head's); where compute hides none of
     what runs beside it (``comm_overlap`` 0: gloo ranks filling a CPU's cores) every
     gather shows whole."""
-    from cost_model import load_preset, save_preset
-
     model, (tokens,) = build("gpt-tiny", device="meta", batch_size=64)
-    fast_link = load_preset("h100-sxm").intra_node
     exposed = {}
     for overlap in (1.0, 0.0):
-        preset = load_preset("cpu").model_copy(
-            update={
-                "name": f"overlap-{overlap:g}",
-                "comm_overlap": overlap,
-                "intra_node": fast_link,
-            }
-        )
-        path = save_preset(preset, tmp_path / f"overlap-{overlap:g}.yaml")
-        mesh = autopar.Mesh((4,), ("dp",), device=str(path))
+        mesh = _fast_link_mesh(tmp_path, overlap)
         plan = autopar.plan(model, mesh, (tokens,), stages=1, force="fsdp")
         gathers = [
             e
@@ -157,20 +162,9 @@ def test_the_solver_hides_prefetched_gathers_as_the_ledger_does(tmp_path):
     objective is the ledger's step, for FSDP and for the free choice (which, when the
     part before could hide it for free, sharded one layer alone and was charged as if
     hidden: 11% under its ledger)."""
-    from cost_model import load_preset, save_preset
-
     model, (tokens,) = build("gpt-tiny", device="meta", batch_size=64)
-    fast_link = load_preset("h100-sxm").intra_node
     for overlap in (1.0, 0.5, 0.0):
-        preset = load_preset("cpu").model_copy(
-            update={
-                "name": f"overlap-{overlap:g}",
-                "comm_overlap": overlap,
-                "intra_node": fast_link,
-            }
-        )
-        path = save_preset(preset, tmp_path / f"overlap-{overlap:g}.yaml")
-        mesh = autopar.Mesh((4,), ("dp",), device=str(path))
+        mesh = _fast_link_mesh(tmp_path, overlap)
         for force in ("fsdp", None):
             plan = autopar.plan(model, mesh, (tokens,), stages=1, force=force)
             assert plan.solver.objective == pytest.approx(plan.estimate.step_time_s, rel=0.01)
