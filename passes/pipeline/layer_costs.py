@@ -23,6 +23,7 @@ from passes.mixed_precision import autocast_dtypes
 from passes.problem import copy_bytes, is_regathered, sole_keepers
 from passes.recompute import chosen_layers
 from passes.solve import Solved
+from passes.strategies.graph import tensor_inputs
 from passes.trace import TracedModel
 
 
@@ -136,7 +137,12 @@ def layer_costs(
             fwd, bwd = cost.op_time(note, strategy)
             part.compute_s += fwd + bwd
             part.forward_s += fwd
-            part.activations += cost.activation_bytes(note, strategy, node.name)
+            saved = cost.activation_bytes(note, strategy, node.name)
+            internal = (
+                cost.saved_bytes(note, strategy, output=False, node=node.name) if saved else 0
+            )
+            part.activations += internal
+            _keeper(node, part_of, part).activations += saved - internal
         # (the output's inputs: the layouts the step returns its results in, as the ILP
         # costs them)
         if binding.mapping is not None:
@@ -211,6 +217,28 @@ def recomputed_layers(solved: Solved) -> dict[int, tuple[float, float]]:
             old = found.get(layer, (0.0, 0.0))
             found[layer] = (old[0] + saving, old[1] + forward)
     return found
+
+
+def _keeper(node: torch.fx.Node, part_of: Mapping[str, Part], own: Part) -> Part:
+    """The part whose ops keep ``node``'s value for backward: the first consumer that saves
+    it, through views of it (a layer's output is kept by the next layer's norm: in a
+    pipeline, on the stage that received it, while the sender keeps nothing of it), else
+    ``own``."""
+    found = _saving_user(node)
+    return own if found is None else part_of[found.name]
+
+
+def _saving_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    for user in node.users:
+        note = user.meta.get(META_KEY)
+        if note is None or user.op != "call_function":
+            continue
+        positions = [i for i, src in enumerate(tensor_inputs(user)) if src.producer == node.name]
+        if any(i in note.saved_inputs for i in positions):
+            return user
+        if note.kind == "view" and (through := _saving_user(user)) is not None:
+            return through
+    return None
 
 
 def _users(traced: TracedModel, name: str) -> list[torch.fx.Node]:
