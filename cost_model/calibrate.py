@@ -12,6 +12,9 @@
 - **Op overhead**: a chain of element-wise ops on a 4-value tensor that requires grad, as
   training records them: seconds per op forward, and per op of its backward (the autograd
   engine's node); asynchronous on a GPU (the host queues kernels), additive on a CPU.
+- **A reference step**: forward and backward of a small fixed decoder
+  (``cost_model.reference_step``), against which ``autopar calibrate`` fits ``in_step``,
+  how much slower ops run inside a training step than each alone.
 - **Collectives**: ``collective_bench`` on 2 local processes with gloo on a CPU (on
   ``ranks`` of them with ``ranks``), or NCCL across the visible GPUs when there are at
   least two: bus bandwidth per collective as the runtime runs it, step latency, and the
@@ -48,6 +51,7 @@ import torch.utils.flop_counter
 from cost_model.collective_bench import PENALTY_COMPUTE_S, SMALLEST, measure_collectives
 from cost_model.flops import cpu_flash_flop_mapping
 from cost_model.hardware import DevicePreset, Efficiency, Link, OpOverhead, load_preset
+from cost_model.reference_step import step_runner
 from plans.errors import UsageError
 
 OP_CHAIN = 64  # element-wise ops per timed chain (op overhead)
@@ -71,10 +75,13 @@ FULL = Budget(
 
 
 class Calibration(NamedTuple):
-    """The measured preset and notes on how each figure was obtained."""
+    """The measured preset and notes on how each figure was obtained; the seconds of the
+    reference step's forward and backward (``cost_model.reference_step``), to which
+    ``passes.reference_step.fit_in_step`` fits the preset's ``in_step``."""
 
     preset: DevicePreset
     notes: tuple[str, ...]
+    reference_step_s: float
 
 
 def _sync(device: torch.device) -> None:
@@ -297,6 +304,7 @@ class DeviceFigures(NamedTuple):
     op_forward: float
     op_backward: float
     op_rates: dict[str, dict[str, Curve]]
+    reference_step_s: float  # forward and backward of ``cost_model.reference_step``
 
 
 def measure_device(device: torch.device, budget: Budget, threads: int) -> DeviceFigures:
@@ -308,9 +316,10 @@ def measure_device(device: torch.device, budget: Budget, threads: int) -> Device
         bandwidth = measure_memory_bandwidth(device, budget)
         forward, backward = measure_op_overhead(device, budget)
         rates = measure_op_rates(device, budget)
+        reference = time_call(step_runner(device), budget.seconds, device)
     finally:
         torch.set_num_threads(before)
-    return DeviceFigures(peaks, bandwidth, forward, backward, rates)
+    return DeviceFigures(peaks, bandwidth, forward, backward, rates, reference)
 
 
 def _rank_worker(rank: int, budget: Budget, threads: int, queue: Any) -> None:
@@ -340,6 +349,7 @@ def measure_ranks(ranks: int, budget: Budget, threads: int) -> DeviceFigures:
         statistics.median(f.op_forward for f in found),
         statistics.median(f.op_backward for f in found),
         rates,
+        statistics.median(f.reference_step_s for f in found),
     )
 
 
@@ -473,7 +483,7 @@ def calibrate(
         op_rates=figures.op_rates,
         efficiency=Efficiency(compute=1.0, memory=1.0, network=1.0),
     )
-    return Calibration(preset, tuple(notes))
+    return Calibration(preset, tuple(notes), figures.reference_step_s)
 
 
 def _describe(device: torch.device) -> str:
@@ -506,6 +516,7 @@ def summary_rows(preset: DevicePreset) -> list[tuple[str, str]]:
             "op overhead",
             f"{host.forward * 1e6:.1f} us forward, {host.backward * 1e6:.1f} us backward",
         ),
+        ("ops inside a step, over alone", f"{preset.in_step:g}x"),
         ("communication compute hides", f"{preset.comm_overlap:.0%}"),
     ]
     return rows

@@ -90,7 +90,8 @@ def op_time(
     family: str = "",
     call_flops: float | None = None,
 ) -> float:
-    """Roofline time in seconds: ``max(flops / achievable peak, bytes / achievable bandwidth)``.
+    """Roofline time in seconds: ``max(flops / achievable peak, bytes / achievable bandwidth)``,
+    times ``preset.in_step`` (ops run slower inside a step than alone, where they were measured).
 
     The achievable peak is the measured rate of the op's ``family`` (``matmul``,
     ``attention``) at ``call_flops`` (FLOPs of one forward call; default ``flops``) where the
@@ -104,8 +105,8 @@ def op_time(
     memory_s = bytes_moved / (preset.memory_bandwidth * preset.efficiency.memory)
     rate = achieved_flops(preset, dtype, family, flops if call_flops is None else call_flops)
     if flops <= 0 or rate is None:
-        return memory_s
-    return max(flops / rate, memory_s)
+        return preset.in_step * memory_s
+    return preset.in_step * max(flops / rate, memory_s)
 
 
 def achieved_flops(

@@ -171,6 +171,15 @@ class DevicePreset(_Strict):
         "family and dtype have a curve the roofline's compute term reads it (between the "
         "points on a log scale) instead of the peak times ``efficiency.compute``.",
     )
+    in_step: float = Field(
+        1.0,
+        gt=0,
+        description="How much longer an op's kernel takes inside a training step than "
+        "alone, where its figures were measured (caches shared with the other ops' "
+        "tensors, inputs in the layouts the op before left): every op's roofline time is "
+        "multiplied by it. ``autopar calibrate`` fits it to a reference step "
+        "(``cost_model.reference_step``); 1 for the shipped presets.",
+    )
     comm_overlap: float = Field(
         1.0,
         ge=0,

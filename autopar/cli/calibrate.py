@@ -14,10 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cost_model.hardware import USER_PRESET_DIR, save_preset
 from plans.errors import UsageError
+
+if TYPE_CHECKING:
+    from cost_model.calibrate import Calibration
 
 
 def add_parser(subparsers: Any) -> None:
@@ -55,6 +58,23 @@ def add_parser(subparsers: Any) -> None:
     parser.set_defaults(run=run)
 
 
+def with_in_step(result: Calibration) -> Calibration:
+    """The calibration with ``in_step`` fitted to its reference step (``passes.reference_step``:
+    fitting needs the tracer, which ``cost_model`` may not import)."""
+    from passes.reference_step import fit_in_step
+
+    in_step = round(fit_in_step(result.preset, result.reference_step_s), 3)
+    note = (
+        f"in_step: the reference step (cost_model.reference_step) took "
+        f"{result.reference_step_s * 1e3:.1f} ms forward and backward, {in_step:g}x what its "
+        "ops' figures predict (each op timed alone); every op's time is scaled by it"
+    )
+    return result._replace(
+        preset=result.preset.model_copy(update={"in_step": in_step}),
+        notes=(*result.notes, note),
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from cost_model.calibrate import calibrate, default_name, summary_rows  # imports torch
 
@@ -66,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     result = calibrate(
         name=name, quick=args.quick, collectives=not args.skip_collectives, ranks=args.ranks
     )
+    result = with_in_step(result)
     output = args.output or USER_PRESET_DIR.expanduser() / f"{name}.yaml"
     path = save_preset(result.preset, output, header="\n".join(result.notes))
     width = max(len(label) for label, _ in summary_rows(result.preset))

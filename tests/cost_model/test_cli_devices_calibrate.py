@@ -63,6 +63,9 @@ def test_calibrate_quick_writes_a_preset_that_loads_back(tmp_path):
     assert preset.efficiency.compute == 1.0
     header = [line for line in out.read_text().splitlines() if line.startswith("#")]
     assert any("intra-node link:" in line for line in header), header
+    # fitted to the reference step: its ops run slower together than alone, never 100x
+    assert 0.3 < preset.in_step < 10, preset.in_step
+    assert any("in_step: the reference step" in line for line in header), header
     if not torch.cuda.is_available():  # on a CPU the collectives are measured with gloo
         assert any("gloo on 2 ranks" in line for line in header), header
 

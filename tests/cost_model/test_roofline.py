@@ -109,3 +109,17 @@ def test_op_rates_refuse_unknown_families_dtypes_and_unordered_sizes(make_preset
     ):
         with pytest.raises(ValidationError):
             type(make_preset()).model_validate({**make_preset().model_dump(), "op_rates": bad})
+
+
+def test_in_step_scales_the_roofline_time_of_every_op():
+    """``in_step`` (fitted by ``autopar calibrate``): ops inside a step run that much slower
+    than alone, compute-bound and memory-bound alike."""
+    from cost_model.compute import op_time
+    from cost_model.hardware import load_preset
+
+    cpu = load_preset("cpu")
+    slower = cpu.model_copy(update={"in_step": 1.5})
+    for flops, moved in ((2 * 4096**3, 3 * 4 * 4096**2), (0.0, 8e6)):
+        assert op_time(flops, moved, "float32", slower) == pytest.approx(
+            1.5 * op_time(flops, moved, "float32", cpu)
+        )
