@@ -22,9 +22,14 @@
 
 With ``ranks`` (a CPU shared by that many local gloo ranks, as ``autopar.testing.run_ranks``
 runs them), everything is measured by that many processes at once, one thread each (the
-cores divided among them), and each figure is the median over the processes: what one rank
-gets while the others run, caches and memory bus shared, not a share computed from one
-process alone.
+cores divided among them), each measurement begun together, and each figure is the median
+over the processes of its mean over the window: what one rank gets while the others run,
+caches and memory bus shared, not a share computed from one process alone. (The fastest
+batch, kept on a machine to itself, is here one that the scheduler ran with a core alone:
+with it, 4 ranks on 2 cores measured the bandwidth of one process alone, 28.6 GB/s, where
+each gets 9.6 on average.) What this cannot see: a rank that waits (a pipeline's bubble)
+leaves its core share to the others, so a plan whose ranks idle runs faster here than its
+figures say; on GPUs, where each rank has its own device, that does not arise.
 
 The numbers are achieved, not peaks, so the preset's efficiencies are 1. What one machine
 cannot measure (the inter-node link, the intra-node one on a single GPU, the node size,
@@ -66,6 +71,10 @@ class Budget(NamedTuple):
     copy_bytes: int
     comm_bytes: int
     comm_iters: int
+    # the fastest batch (a machine to itself: the figure least disturbed by other load), or
+    # the mean over the whole window (ranks sharing the cores: what each gets, on average,
+    # while the others run; the fastest batch is one the scheduler gave it a core alone)
+    fastest: bool = True
 
 
 QUICK = Budget(seconds=0.1, max_matmul=4096, copy_bytes=32 << 20, comm_bytes=4 << 20, comm_iters=3)
@@ -99,8 +108,11 @@ def _batch_seconds(fn: Callable[[], object], calls: int, device: torch.device) -
     return (time.perf_counter() - start) / calls
 
 
-def time_call(fn: Callable[[], object], seconds: float, device: torch.device) -> float:
-    """Seconds per ``fn()``: the fastest of the batches that fit in ``seconds``.
+def time_call(
+    fn: Callable[[], object], seconds: float, device: torch.device, fastest: bool = True
+) -> float:
+    """Seconds per ``fn()``: the fastest of the batches that fit in ``seconds``, or with
+    ``fastest=False`` their mean (``Budget.fastest``).
 
     Batches grow until one takes a tenth of the budget; the minimum over batches is the
     figure least disturbed by other load (the advice of Python's ``timeit``).
@@ -112,9 +124,12 @@ def time_call(fn: Callable[[], object], seconds: float, device: torch.device) ->
         calls *= 2
         best = _batch_seconds(fn, calls, device)
     deadline = time.perf_counter() + seconds
+    batches = []
     while time.perf_counter() < deadline:
-        best = min(best, _batch_seconds(fn, calls, device))
-    return best
+        batches.append(_batch_seconds(fn, calls, device))
+    if not fastest:
+        return statistics.fmean(batches) if batches else best
+    return min([best, *batches])
 
 
 def measure_matmul(dtype: torch.dtype, device: torch.device, budget: Budget) -> float:
@@ -123,13 +138,13 @@ def measure_matmul(dtype: torch.dtype, device: torch.device, budget: Budget) -> 
     while True:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
-        probe = time_call(lambda a=a, b=b: a @ b, budget.seconds / 10, device)
+        probe = time_call(lambda a=a, b=b: a @ b, budget.seconds / 10, device, budget.fastest)
         if probe * 20 >= budget.seconds:
             break
         if 2 * n > budget.max_matmul:
             break
         n *= 2
-    seconds = time_call(lambda: a @ b, budget.seconds, device)
+    seconds = time_call(lambda: a @ b, budget.seconds, device, budget.fastest)
     return 2 * n**3 / seconds
 
 
@@ -147,7 +162,7 @@ def measure_memory_bandwidth(device: torch.device, budget: Budget) -> float:
     size = copy_bytes(device, budget)
     src = torch.ones(size, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    seconds = time_call(lambda: dst.copy_(src), budget.seconds, device)
+    seconds = time_call(lambda: dst.copy_(src), budget.seconds, device, budget.fastest)
     return 2 * size / seconds
 
 
@@ -218,8 +233,9 @@ def measure_op_overhead(device: torch.device, budget: Budget) -> tuple[float, fl
             value = value * 1.0001
         return value
 
-    forward_s = time_call(forward, budget.seconds, device) / OP_CHAIN
-    both_s = time_call(lambda: forward().sum().backward(), budget.seconds, device) / OP_CHAIN
+    forward_s = time_call(forward, budget.seconds, device, budget.fastest) / OP_CHAIN
+    both = time_call(lambda: forward().sum().backward(), budget.seconds, device, budget.fastest)
+    both_s = both / OP_CHAIN
     return forward_s, max(both_s - forward_s, 0.0)
 
 
@@ -287,7 +303,7 @@ def measure_op_rates(device: torch.device, budget: Budget) -> dict[str, dict[str
             size = start
             while size <= budget.max_matmul:
                 step, call_flops = make(size, dtype, device)
-                seconds = time_call(step, budget.seconds / 4, device)
+                seconds = time_call(step, budget.seconds / 4, device, budget.fastest)
                 curve.append((call_flops, _rounded(_total_flops(step) / seconds)))
                 if seconds > budget.seconds / 10:
                     break
@@ -307,31 +323,52 @@ class DeviceFigures(NamedTuple):
     reference_step_s: float  # forward and backward of ``cost_model.reference_step``
 
 
-def measure_device(device: torch.device, budget: Budget, threads: int) -> DeviceFigures:
-    """Matmul peaks, copy bandwidth, op overhead and op rates, on ``threads`` torch threads."""
+def measure_device(
+    device: torch.device,
+    budget: Budget,
+    threads: int,
+    together: Callable[[], object] = lambda: None,
+) -> DeviceFigures:
+    """Matmul peaks, copy bandwidth, op overhead, op rates and the reference step, on
+    ``threads`` torch threads; ``together`` is called before each (ranks measuring at
+    once wait there for each other)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+        together()
         peaks = _measure_peaks(device, budget)
+        together()
         bandwidth = measure_memory_bandwidth(device, budget)
+        together()
         forward, backward = measure_op_overhead(device, budget)
+        together()
         rates = measure_op_rates(device, budget)
-        reference = time_call(step_runner(device), budget.seconds, device)
+        together()
+        reference = time_call(step_runner(device), budget.seconds, device, budget.fastest)
     finally:
         torch.set_num_threads(before)
     return DeviceFigures(peaks, bandwidth, forward, backward, rates, reference)
 
 
-def _rank_worker(rank: int, budget: Budget, threads: int, queue: Any) -> None:
-    queue.put(measure_device(torch.device("cpu"), budget, threads))
+def _rank_worker(rank: int, budget: Budget, threads: int, queue: Any, barrier: Any) -> None:
+    queue.put(measure_device(torch.device("cpu"), budget, threads, barrier.wait))
 
 
 def measure_ranks(ranks: int, budget: Budget, threads: int) -> DeviceFigures:
-    """``measure_device`` in ``ranks`` processes at once; each figure the median over them."""
+    """``measure_device`` in ``ranks`` processes at once, each measurement begun together
+    (otherwise a process that finished early leaves the others the cores, and the fastest
+    batch that ``time_call`` keeps is one measured with fewer processes than said); each
+    figure the median over them. Each takes the mean over its window (``Budget.fastest``)."""
+    budget = budget._replace(fastest=False)
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
+    barrier = context.Barrier(ranks)
     mp.start_processes(
-        _rank_worker, args=(budget, threads, queue), nprocs=ranks, join=True, start_method="spawn"
+        _rank_worker,
+        args=(budget, threads, queue, barrier),
+        nprocs=ranks,
+        join=True,
+        start_method="spawn",
     )
     found = [queue.get() for _ in range(ranks)]
     rates: dict[str, dict[str, Curve]] = {}
