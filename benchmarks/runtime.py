@@ -47,6 +47,13 @@ this machine when it has one (``autopar calibrate --ranks 4 --name local-cpu-4``
 ranks, ``autopar calibrate --ranks 1 --name local-cpu-1`` for the one: a rank runs one
 thread), else the shipped ``cpu`` preset; the record says which. The predicted step is
 meant to be within 25% of the measured (0.75 to 1.25).
+
+The calibration measures what each of the 4 ranks gets while all 4 run on the 2 cores
+(``cost_model.calibrate``), and fits ``in_step``, how much slower ops run inside a step
+than alone, to a fixed reference step (``cost_model.reference_step``). A rank that waits
+leaves its share of the cores to the others, which the cost model does not see: a
+pipeline's ranks idle in its bubble, so its step runs faster than predicted here (on GPUs,
+a device each, that does not arise); the data-parallel styles keep every rank busy.
 """
 
 from __future__ import annotations
