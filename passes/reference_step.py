@@ -17,16 +17,17 @@ from cost_model.reference_step import reference_step
 from passes.annotation import META_KEY
 from passes.costs import CostModel
 from passes.strategies.types import Strategy
-from passes.trace import trace
+from passes.trace import TracedModel, trace
 from plans.mesh import MeshSpec
 
 WHOLE = Strategy((), (), 1)  # one device: every op does all of its work
 
 
-def predicted_reference_s(preset: DevicePreset) -> float:
-    """The cost model's forward and backward seconds of the reference step on ``preset``."""
-    model, x = reference_step(torch.device("meta"))
-    traced = trace(model, (x.requires_grad_(),))
+def predicted_reference_s(preset: DevicePreset, traced: TracedModel | None = None) -> float:
+    """The cost model's forward and backward seconds of the reference step on ``preset``
+    (``traced``: the reference step traced already)."""
+    if traced is None:
+        traced = traced_reference()
     cost = CostModel(MeshCost(MeshSpec((1,), ("x",)), preset))
     total = 0.0
     for node in traced.graph.nodes:
@@ -36,9 +37,15 @@ def predicted_reference_s(preset: DevicePreset) -> float:
     return total
 
 
+def traced_reference() -> TracedModel:
+    model, x = reference_step(torch.device("meta"))
+    return trace(model, (x.requires_grad_(),))
+
+
 def fit_in_step(preset: DevicePreset, measured_s: float) -> float:
     """The ``in_step`` at which the cost model predicts the reference step in ``measured_s``."""
-    once = predicted_reference_s(preset.model_copy(update={"in_step": 1.0}))
-    twice = predicted_reference_s(preset.model_copy(update={"in_step": 2.0}))
+    traced = traced_reference()
+    once = predicted_reference_s(preset.model_copy(update={"in_step": 1.0}), traced)
+    twice = predicted_reference_s(preset.model_copy(update={"in_step": 2.0}), traced)
     roofline, host = twice - once, 2 * once - twice
     return max(measured_s - host, 0.0) / roofline if roofline > 0 else 1.0
