@@ -240,35 +240,49 @@ class CostModel:
             return 0.0, 0.0
         found = self.gather_share.get(param)
         share = 1.0 if found is None else found.share
-        key = (info, src, dst, requires_grad, share)
+        itemsize = self.wire_itemsize(info, param)
+        key = (info, src, dst, requires_grad, share, itemsize)
         known = self._edge_cache.get(key)
         if known is None:
-            known = self._edge_cache[key] = self._edge_time(info, src, dst, requires_grad, share)
+            known = self._edge_time(info, src, dst, requires_grad, share, itemsize)
+            self._edge_cache[key] = known
         if regathered:
             return known[0], known[1] + known[0]
         return known
 
-    def wire_itemsize(self, info: TensorInfo) -> int:
-        """Bytes per element a collective moves of ``info``: traced fp32 travels in the
-        compute dtype."""
+    def wire_itemsize(self, info: TensorInfo, producer: str = "") -> int:
+        """Bytes per element a collective moves of ``info``, made by ``producer``: under
+        autocast, the dtype autocast gives it (``AutocastSaved.output_dtypes``: a residual
+        sum stays fp32, as the runtime moves it); else traced fp32 travels in the compute
+        dtype."""
+        found = self.autocast_saved
+        if found is not None and info.dtype.startswith(("float", "bfloat")):
+            dtype = found.output_dtypes.get(producer)
+            if dtype is not None:
+                return dtype_itemsize(dtype)
         itemsize = info.nbytes // max(info.numel, 1)
         if info.dtype == "float32":
             itemsize = max(1, round(itemsize * self.activation_scale))
         return itemsize
 
     def _edge_time(
-        self, info: TensorInfo, src: Layout, dst: Layout, requires_grad: bool, share: float
+        self,
+        info: TensorInfo,
+        src: Layout,
+        dst: Layout,
+        requires_grad: bool,
+        share: float,
+        itemsize: int,
     ) -> tuple[float, float]:
-        forward, backward = self._reshard_steps(info, src, dst, requires_grad)
+        forward, backward = self._reshard_steps(info, src, dst, requires_grad, itemsize)
         fwd = self._steps_time(forward, share, 0, "all_gather")
         if not requires_grad:
             return fwd, 0.0
         return fwd, self._steps_time(backward, share, len(backward) - 1, "reduce_scatter")
 
     def _reshard_steps(
-        self, info: TensorInfo, src: Layout, dst: Layout, requires_grad: bool
+        self, info: TensorInfo, src: Layout, dst: Layout, requires_grad: bool, itemsize: int
     ) -> tuple[tuple[ReshardStep, ...], tuple[ReshardStep, ...]]:
-        itemsize = self.wire_itemsize(info)
         forward = self.mesh_cost.reshard(src, dst, info.shape, itemsize).steps
         if not requires_grad:
             return forward, ()
@@ -325,7 +339,8 @@ class CostModel:
         found = self.gather_share.get(param)
         if src == dst or found is None:
             return None
-        forward, backward = self._reshard_steps(info, src, dst, requires_grad)
+        itemsize = self.wire_itemsize(info, param)
+        forward, backward = self._reshard_steps(info, src, dst, requires_grad, itemsize)
         if not forward or forward[0].kind != "all_gather":
             return None
         return found, forward, backward

@@ -128,13 +128,17 @@ class AutocastSaved:
       consumer: autocast caches casts of parameters only);
     - ``internal_bytes``: what an op keeps that is neither (statistics, masks);
     - ``weight_casts``: (parameter, op) pairs where the op keeps autocast's 16-bit copy of
-      an fp32 parameter (``CostModel.weight_cast_bytes`` says when the runtime makes it).
+      an fp32 parameter (``CostModel.weight_cast_bytes`` says when the runtime makes it);
+    - ``output_dtypes``: the dtype of a node's floating outputs under autocast, where they
+      share one (a residual sum stays fp32; a matmul's is bf16): what a reshard of it moves,
+      as ``autocast_dtypes`` tells the ledger.
     """
 
     output_bytes: dict[str, int] = field(default_factory=dict)
     cast_bytes: dict[str, int] = field(default_factory=dict)
     internal_bytes: dict[str, int] = field(default_factory=dict)
     weight_casts: frozenset[tuple[str, str]] = frozenset()
+    output_dtypes: dict[str, str] = field(default_factory=dict)
 
 
 class _Casts(TorchDispatchMode):
@@ -196,9 +200,16 @@ def autocast_saved(traced: TracedModel, precision: str) -> AutocastSaved | None:
             values[node.name] = value
             for out in tensor_leaves(value):
                 owner.setdefault(storage_id(out), node.name)
+            floating = {str(t.dtype) for t in tensor_leaves(value) if t.is_floating_point()}
+            if len(floating) == 1:
+                found.output_dtypes[node.name] = floating.pop().removeprefix("torch.")
             _classify(node.name, kept, owner, casts.cast_of, (live, params), found, weight_casts)
     return AutocastSaved(
-        found.output_bytes, found.cast_bytes, found.internal_bytes, frozenset(weight_casts)
+        found.output_bytes,
+        found.cast_bytes,
+        found.internal_bytes,
+        frozenset(weight_casts),
+        found.output_dtypes,
     )
 
 

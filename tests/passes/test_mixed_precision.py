@@ -55,3 +55,30 @@ def test_autocast_keeps_16_bit_copies_for_matmuls_and_fp32_where_it_computes_in_
     # held anyway)
     assert found.internal_bytes[norm] == 2 * values * 4
     assert autocast_saved(traced, "fp32") is None
+
+
+def test_a_reshard_moves_a_value_in_the_dtype_autocast_gives_it(traced) -> None:
+    """The norm's output stays fp32 under autocast and the linear's is bf16; the solver
+    prices a reshard of each in that dtype, as the ledger counts and the runtime moves
+    them (a Llama's residual sums are fp32: priced in bf16, llama3-8b's all-reduces on 2x2
+    were half their bytes)."""
+    from cost_model import MeshCost, load_preset
+    from passes.annotation import META_KEY
+    from passes.costs import CostModel
+    from plans import MeshSpec
+
+    found = autocast_saved(traced, "bf16_mixed")
+    assert found is not None
+    names = {n.target: n for n in traced.graph.nodes if n.op == "call_function"}
+    norm = names[torch.ops.aten.layer_norm.default]
+    linear = names[torch.ops.aten.linear.default]
+    assert found.output_dtypes[norm.name] == "float32"
+    assert found.output_dtypes[linear.name] == "bfloat16"
+    mesh = MeshCost(MeshSpec((2,), ("x",)), load_preset("h100-sxm"))
+    cost = CostModel(mesh, precision="bf16_mixed", autocast_saved=found)
+    plain = CostModel(mesh, precision="bf16_mixed")
+    for node, itemsize in ((norm, 4), (linear, 2)):
+        info = node.meta[META_KEY].outputs[0]
+        assert info.dtype == "float32"  # traced in fp32
+        assert cost.wire_itemsize(info, node.name) == itemsize
+        assert plain.wire_itemsize(info, node.name) == 2  # without autocast's run: bf16
