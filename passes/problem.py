@@ -21,6 +21,7 @@ identical layers repeat them, so building the problem stays flat in depth.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from passes.annotation import TensorInfo
@@ -473,12 +474,10 @@ def copy_bytes(cost: CostModel, info: TensorInfo, src: Layout, dst: Layout, sole
     return copy - cost.tensor_bytes(info, src) if sole else copy
 
 
-def sole_keepers(decisions: Decisions) -> dict[str, str]:
-    """Producer -> the one consumer whose backward keeps its output, where exactly one
-    does, directly (not through a view), and the producer's own activation counts that
-    output (it owns its storage, has one output, and is no follower)."""
-    keepers: dict[str, set[str]] = {}
-    through_view: set[str] = set()
+def _saves(decisions: Decisions) -> Iterator[tuple[str, str, bool]]:
+    """(owner, consumer, through a view) for each saved input of each consumer, in the
+    decisions' (graph) order: the owner is the node whose storage the input is, a view's
+    ``alias_of``."""
     for consumer, choices in decisions.choices.items():
         note = choices.note
         if note is None or not note.saved_inputs:
@@ -491,9 +490,28 @@ def sole_keepers(decisions: Decisions) -> dict[str, str]:
             if source is None:
                 continue
             owner = source.alias_of or producer
-            keepers.setdefault(owner, set()).add(consumer)
-            if owner != producer:
-                through_view.add(owner)
+            yield owner, consumer, owner != producer
+
+
+def first_keepers(decisions: Decisions) -> dict[str, str]:
+    """Owner -> the first consumer (graph order) whose backward keeps its value, directly
+    or through a view of it."""
+    first: dict[str, str] = {}
+    for owner, consumer, _ in _saves(decisions):
+        first.setdefault(owner, consumer)
+    return first
+
+
+def sole_keepers(decisions: Decisions) -> dict[str, str]:
+    """Producer -> the one consumer whose backward keeps its output, where exactly one
+    does, directly (not through a view), and the producer's own activation counts that
+    output (it owns its storage, has one output, and is no follower)."""
+    keepers: dict[str, set[str]] = {}
+    through_view: set[str] = set()
+    for owner, consumer, viewed in _saves(decisions):
+        keepers.setdefault(owner, set()).add(consumer)
+        if viewed:
+            through_view.add(owner)
     sole = {}
     for producer, kept_by in keepers.items():
         binding = decisions.bindings.get(producer)

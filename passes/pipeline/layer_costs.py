@@ -20,10 +20,9 @@ import torch
 
 from passes.annotation import META_KEY, dtype_itemsize
 from passes.mixed_precision import autocast_dtypes
-from passes.problem import copy_bytes, is_regathered, sole_keepers
+from passes.problem import copy_bytes, first_keepers, is_regathered, sole_keepers
 from passes.recompute import chosen_layers
 from passes.solve import Solved
-from passes.strategies.graph import tensor_inputs
 from passes.trace import TracedModel
 
 
@@ -122,6 +121,7 @@ def layer_costs(
     decisions = solved.decisions
     kept: set[tuple[str, int]] = set()  # activations whose resharded copy is counted
     sole = sole_keepers(decisions)
+    kept_by = first_keepers(decisions)
     # FSDP group calls each part runs, with their fixed cost (once a group: ``group_call``)
     calls: dict[int, dict[tuple[str, tuple[int, ...]], float]] = {}
     for node in traced.graph.nodes:
@@ -142,7 +142,11 @@ def layer_costs(
                 cost.saved_bytes(note, strategy, output=False, node=node.name) if saved else 0
             )
             part.activations += internal
-            _keeper(node, part_of, part).activations += saved - internal
+            # the value itself is held where the op that keeps it runs (a layer's output by
+            # the next layer's norm: in a pipeline, on the stage that received it, while the
+            # sender keeps nothing of it)
+            keeper = kept_by.get(node.name)
+            (part if keeper is None else part_of[keeper]).activations += saved - internal
         # (the output's inputs: the layouts the step returns its results in, as the ILP
         # costs them)
         if binding.mapping is not None:
@@ -217,28 +221,6 @@ def recomputed_layers(solved: Solved) -> dict[int, tuple[float, float]]:
             old = found.get(layer, (0.0, 0.0))
             found[layer] = (old[0] + saving, old[1] + forward)
     return found
-
-
-def _keeper(node: torch.fx.Node, part_of: Mapping[str, Part], own: Part) -> Part:
-    """The part whose ops keep ``node``'s value for backward: the first consumer that saves
-    it, through views of it (a layer's output is kept by the next layer's norm: in a
-    pipeline, on the stage that received it, while the sender keeps nothing of it), else
-    ``own``."""
-    found = _saving_user(node)
-    return own if found is None else part_of[found.name]
-
-
-def _saving_user(node: torch.fx.Node) -> torch.fx.Node | None:
-    for user in node.users:
-        note = user.meta.get(META_KEY)
-        if note is None or user.op != "call_function":
-            continue
-        positions = [i for i, src in enumerate(tensor_inputs(user)) if src.producer == node.name]
-        if any(i in note.saved_inputs for i in positions):
-            return user
-        if note.kind == "view" and (through := _saving_user(user)) is not None:
-            return through
-    return None
 
 
 def _users(traced: TracedModel, name: str) -> list[torch.fx.Node]:
