@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from autopar.runtime.shards import to_dtensor
+from autopar.runtime.shards import local_of, to_dtensor
 from plans.errors import UsageError
 
 if TYPE_CHECKING:
@@ -78,8 +78,8 @@ def load_checkpoint(
         for name, param in model.named_parameters():
             loaded = state["model"][name]
             local = loaded.to_local() if isinstance(loaded, DTensor) else loaded
-            if local.data_ptr() != param.data_ptr():
-                param.copy_(local)
+            if local.data_ptr() != local_of(param).data_ptr():
+                local_of(param).copy_(local)
     if optimizer is not None:
         _restore_optimizer(model, optimizer, state["optimizer"])
 
@@ -104,18 +104,18 @@ def optimizer_state(model: CompiledModel, optimizer: torch.optim.Optimizer) -> d
         entries = saved["state"].get(index)
         if entries is None:
             continue
-        layout, shape = model.param_layout(name), model.param_shape(name)
         state[name] = {}
         for key, value in entries.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                if value.shape != param.shape:
+                # a per-element state of a DTensor parameter is a DTensor like it
+                if not isinstance(value, DTensor) or value.shape != param.shape:
                     raise UsageError(
                         f"optimizer state {key!r} of {name} has shape {tuple(value.shape)}, "
                         f"not the parameter's {tuple(param.shape)}: it has no layout on the "
                         "mesh; checkpoint parameters only (no optimizer=) or use an "
                         "optimizer with per-element state (SGD, Adam, AdamW)"
                     )
-                state[name][key] = to_dtensor(value, layout, model.device_mesh, shape)
+                state[name][key] = value
             else:
                 state[name][key] = value
     groups = []
@@ -174,13 +174,7 @@ def _restore_optimizer(
 ) -> None:
     """Turn the loaded, name-keyed state back into ``optimizer.load_state_dict``'s form."""
     index_of = {name: index for index, name, _ in _indexed_params(model, optimizer)}
-    state = {
-        index_of[name]: {
-            key: value.to_local() if isinstance(value, DTensor) else value
-            for key, value in entries.items()
-        }
-        for name, entries in loaded["state"].items()
-    }
+    state = {index_of[name]: dict(entries) for name, entries in loaded["state"].items()}
     groups = []
     for group in loaded["param_groups"]:
         unknown = [n for n in group["params"] if n not in index_of]

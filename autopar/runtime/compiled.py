@@ -2,10 +2,14 @@
 
 Built from a plan (``passes`` made it) and the user's module:
 
-- parameters become ``nn.Parameter`` local shards under their original dotted names, so
+- parameters become DTensor ``nn.Parameter``s on the plan's mesh, in the plan's
+  placements, over this rank's shards, under their original dotted names: so
   ``named_parameters()`` reads like the user's model (a tied weight once, under its first
-  name) and any ``torch.optim`` optimizer works on ``parameters()``; buffers and constants
-  stay whole. A parameter the trace planned in another shape (a fused q/k/v weight as
+  name), any ``torch.optim`` optimizer works on ``parameters()`` (its state DTensors like
+  them), and PyTorch's sharding-aware tools (``clip_grad_norm_``, the
+  ``torch.distributed.checkpoint.state_dict`` helpers) compute what they do on one device.
+  The programs compute on the plain local shards (``runtime.local_shards``); buffers and
+  constants stay whole. A parameter the trace planned in another shape (a fused q/k/v weight as
   ``[3, C, Cin]``, ``passes.expose``) is held in that shape and given back in the user's
   (``full_parameter``, ``state_dict``);
 - the lowered per-rank graph (``passes.lower_spmd``) becomes a ``GraphModule`` (``program``)
@@ -58,6 +62,8 @@ from autopar.runtime.collectives import MODULES
 from autopar.runtime.comm import AxisGroup, Call, CommLog
 from autopar.runtime.grad_sync import GradientSync
 from autopar.runtime.groups import axis_groups
+from autopar.runtime.local_shards import HOLDER as LOCAL_SHARDS
+from autopar.runtime.local_shards import LocalShards
 from autopar.runtime.memory_savers import install as install_memory_savers
 from autopar.runtime.pipeline import (
     Loss,
@@ -67,7 +73,7 @@ from autopar.runtime.pipeline import (
     microbatch_loss,
 )
 from autopar.runtime.precision import run_precision
-from autopar.runtime.shards import gather_full, local_slices
+from autopar.runtime.shards import gather_full, local_of, local_slices, to_dtensor
 from autopar.runtime.zero import ZeroParam, ZeroShards, master_piece
 from passes.from_plan import PlanLayouts
 from passes.lower_spmd import LoweredGraph, local_shard, lower_spmd
@@ -81,7 +87,7 @@ from passes.lower_stages import (
 )
 from passes.lower_stages import stage_mesh as plan_stage_mesh
 from passes.mixed_precision import cast_for_gather
-from passes.rewrites import RankProgram, rewrite_rank, working_copy_path
+from passes.rewrites import RankProgram, local_view_path, rewrite_rank, working_copy_path
 from passes.trace import TracedModel
 from plans.errors import UsageError
 from plans.ledger import CommCount, CommKey
@@ -230,21 +236,46 @@ class CompiledModel(nn.Module):
         self._cast = cast_for_gather(traced, plan.precision)
         tree = self._build_tree(model, traced, whole, zero)
         self._zero = ZeroShards(zero, reduce_dtype=self.precision.compute)
+        # the programs compute on plain local shards of the DTensor parameters
+        zero_names = {p.name for p in zero}
+        local_shards = LocalShards(
+            {
+                target: tree.get_parameter(target)
+                for target, param_name in self.lowered.params.items()
+                if param_name not in zero_names
+            },
+            [p.working for p in zero],
+        )
+        tree.add_module(LOCAL_SHARDS, local_shards)
         name = type(model).__name__
         modules = []
         for index, graph in enumerate(graphs):
             label = f"Stage{self._stage_programs[index].index}" if self.pipelined else ""
             module = torch.fx.GraphModule(tree, graph, class_name=f"{name}Rank{rank}{label}")
             _share_tree(module, tree)
+            module.register_forward_pre_hook(local_shards.refresh)
             modules.append(module)
         # recompute regions as checkpoints; FSDP's gathers grouped per layer, the gathered
         # weights regathered in backward
+        read_at = {
+            target: local_view_path(target)
+            for target, param_name in self.lowered.params.items()
+            if param_name not in zero_names
+        }
         install_memory_savers(
             plan,
             modules,
-            [p.working for p in zero],
-            _param_layers(traced, self.lowered),
-            self._cast,
+            local_shards.is_local,
+            {
+                read_at[t]: layer
+                for t, layer in _param_layers(traced, self.lowered).items()
+                if t in read_at
+            },
+            frozenset(
+                read_at[t]
+                for t, n in self.lowered.params.items()
+                if t in read_at and n in self._cast
+            ),
         )
         object.__setattr__(self, "program", modules[0])  # not a child: it shares our tree
         object.__setattr__(self, "stage_modules", modules)
@@ -353,7 +384,9 @@ class CompiledModel(nn.Module):
             if placed is not None:
                 zero.append(placed)
                 continue
-            _set_attr(tree, target, nn.Parameter(local.clone()), "param")
+            info = self.plan.params[name]
+            dtensor = to_dtensor(local.clone(), info.param, self.device_mesh, info.shape)
+            _set_attr(tree, target, nn.Parameter(dtensor), "param")
         buffers = dict(model.named_buffers(remove_duplicate=False))
         for target, name in lowered.buffers.items():
             value = buffers[name].detach().to(device)
@@ -385,11 +418,14 @@ class CompiledModel(nn.Module):
         dims = tuple(dim for _, dim in found)
         coords = tuple(self.coords[axis] for axis in axes)
         sizes = tuple(mesh_shape[axis] for axis in axes)
-        master = nn.Parameter(master_piece(local, dims, coords, sizes).clone())
+        piece = master_piece(local, dims, coords, sizes).clone()
+        master = nn.Parameter(
+            to_dtensor(piece, plan.optimizer, self.device_mesh, plan.shape, param=plan.param)
+        )
         _set_attr(tree, target, master, "param")
         cast = self.precision.compute if name in self._cast else None
         working = local.to(cast or local.dtype, copy=True).requires_grad_(True)
-        # the graphs read it there (``passes.rewrites``: read_working_copies)
+        # the graphs read it there (``passes.rewrites``: read_local_tensors)
         _set_attr(tree, working_copy_path(target), working, "constant")
         groups = self._sync_axis_groups
         others = tuple(
@@ -617,8 +653,10 @@ class CompiledModel(nn.Module):
         return value
 
     def _grad_of(self, name: str) -> torch.Tensor | None:
-        """The gradient the optimizer steps with (ZeRO: the master piece's)."""
-        return self._local_param(name).grad
+        """This rank's shard of the gradient the optimizer steps with (ZeRO: the master
+        piece's)."""
+        grad = self._local_param(name).grad
+        return None if grad is None else local_of(grad)
 
     @property
     def code(self) -> str:
@@ -664,6 +702,7 @@ class CompiledModel(nn.Module):
         raise UsageError(f"no parameter named {name!r}; see compiled.named_parameters()")
 
     def _local_param(self, name: str) -> nn.Parameter:
+        """The parameter ``name`` (a DTensor; for a ZeRO parameter, its master piece)."""
         return self.program.get_parameter(self._canonical(name))
 
     def _local_value(self, name: str) -> torch.Tensor:
@@ -672,7 +711,7 @@ class CompiledModel(nn.Module):
         canonical = self._canonical(name)
         if canonical in self._zero.params:
             return self._zero.local_value(canonical)
-        return self._local_param(canonical).detach()
+        return local_of(self._local_param(canonical))
 
     def param_layout(self, name: str) -> Layout:
         """The layout the parameter ``name`` is stored in."""
@@ -716,7 +755,7 @@ class CompiledModel(nn.Module):
             if canonical in self._zero.params:
                 grad = self._zero.local_grad(canonical)
             else:
-                grad = self._local_param(canonical).grad
+                grad = self._grad_of(canonical)
             if grad is not None:
                 whole = gather_full(grad.detach(), self.param_layout(canonical), self._mesh_groups)
         whole = self._from_holder(whole, self._param_holder(canonical), canonical)
@@ -838,7 +877,7 @@ class CompiledModel(nn.Module):
                     continue  # another pipeline stage holds it
                 if kind == "param":
                     layout, shape = self.param_layout(source), self.user_shape(source)
-                    target: torch.Tensor = self._local_param(source)
+                    target: torch.Tensor = local_of(self._local_param(source))
                 else:
                     layout = Layout.replicated(self.mesh.ndim)
                     target = self.program.get_buffer(source)

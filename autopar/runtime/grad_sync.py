@@ -10,7 +10,8 @@ bucket is accumulated (``register_post_accumulate_grad_hook``), the bucket's fla
 gradient is all-reduced asynchronously while backward goes on. A callback queued on the
 autograd engine waits for every bucket before ``backward`` returns, so the optimizer sees
 synchronised gradients. Each gradient then *is* its slice of the summed bucket (a view, as
-DDP's ``gradient_as_bucket_view``): nothing is copied back, one pass over every gradient
+DDP's ``gradient_as_bucket_view``; for a DTensor parameter, the local shard of its
+DTensor gradient): nothing is copied back, one pass over every gradient
 per step less than copying (DDP's default). A bucket holds one dtype, so that the views
 have their parameters' dtype. As DDP's, the first bucket (the last layers' gradients, ready
 first) is small, ``first_bucket_bytes`` (1 MiB, DDP's default), so that communication
@@ -28,6 +29,7 @@ from torch import nn
 
 from autopar.runtime.collectives import unflatten
 from autopar.runtime.comm import AxisGroup
+from autopar.runtime.shards import local_of, set_local_grad
 from plans.buckets import ddp_buckets
 
 
@@ -67,7 +69,7 @@ class GradientSync:
             if groups
         ]
         items = [
-            ((part, *(id(g) for g in groups), p.dtype, p.device), p.numel() * p.element_size())
+            ((part, *(id(g) for g in groups), p.dtype, p.device), _local_bytes(p))
             for p, groups, part in synced
         ]
         self.buckets = [
@@ -98,7 +100,10 @@ class GradientSync:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        grads = [
+            local_of(p.grad) if p.grad is not None else torch.zeros_like(local_of(p))
+            for p in bucket.params
+        ]
         bucket.flat = torch.cat([g.reshape(-1) for g in grads])
         dtype = self.reduce_dtype
         cast = dtype is not None and bucket.flat.is_floating_point() and bucket.flat.dtype != dtype
@@ -117,9 +122,9 @@ class GradientSync:
                     group.all_reduce(bucket.wire)
                 if bucket.wire is not bucket.flat:
                     bucket.flat.copy_(bucket.wire)
-                sums = unflatten(bucket.flat, [param.shape for param in bucket.params])
+                sums = unflatten(bucket.flat, [local_of(param).shape for param in bucket.params])
                 for param, synced in zip(bucket.params, sums, strict=True):
-                    param.grad = synced
+                    set_local_grad(param, synced)
             bucket.ready, bucket.handles, bucket.flat, bucket.wire = 0, [], None, None
         self._queued = False
 
@@ -133,3 +138,8 @@ class GradientSync:
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+def _local_bytes(param: torch.Tensor) -> int:
+    local = local_of(param)
+    return local.numel() * local.element_size()

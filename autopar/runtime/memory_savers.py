@@ -14,7 +14,7 @@ program), so a forward call and a pipeline schedule's stage calls get them alike
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -31,14 +31,15 @@ from plans.plan import Plan
 def install(
     plan: Plan,
     programs: list[torch.fx.GraphModule],
-    working: list[torch.Tensor],
+    is_local: Callable[[torch.Tensor], bool],
     param_layers: Mapping[str, int | None],
     cast: frozenset[str] = frozenset(),
 ) -> ParamGathers | None:
     """Wrap ``plan``'s recompute regions in every program, group the all-gathers of
     parameters per layer (``param_layers``: each parameter's ``get_attr`` target and its
     layer, None outside the layers), and regather parameters that the programs all-gather
-    (``working``: ZeRO working copies, parameters too); ``cast``: the parameters gathered
+    (``is_local``: whether a tensor is a parameter's local tensor as the programs read it,
+    a DTensor parameter's shard or a ZeRO working copy); ``cast``: the parameters gathered
     in the compute dtype (``passes.mixed_precision``). Returns the regather record (None
     when no program gathers a parameter)."""
     for program in programs:
@@ -53,8 +54,7 @@ def install(
     ]
     if not gathers_params or not _any_sharded_param(plan):
         return None
-    working_ids = {id(t) for t in working}
-    gathers = ParamGathers(lambda t: isinstance(t, nn.Parameter) or id(t) in working_ids)
+    gathers = ParamGathers(is_local)
     for module in gathers_params:
         module.gathers = gathers
     for program in programs:

@@ -395,7 +395,7 @@ def _param_gather_groups(
         else:
             place = f"layer{layer}"
             layers_seen.add(layer)
-        stored = program.get_parameter(target).dtype
+        stored = _read(program, target).dtype
         dtype = str(compute if target in cast and compute is not None else stored)
         groups.setdefault((str(node.target), dtype, place), []).append(node)
     return groups
@@ -460,4 +460,11 @@ def _dim(program: fx.GraphModule, member: fx.Node) -> int:
     """The member's gather dim, counted from the front."""
     source, dim = member.args
     assert isinstance(source, fx.Node) and isinstance(dim, int)
-    return dim % program.get_parameter(str(source.target)).dim()
+    return dim % _read(program, str(source.target)).dim()
+
+
+def _read(program: fx.GraphModule, target: str) -> torch.Tensor:
+    """What the ``get_attr`` of ``target`` reads: a parameter's local tensor."""
+    value = operator.attrgetter(target)(program)
+    assert isinstance(value, torch.Tensor)
+    return value

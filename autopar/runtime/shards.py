@@ -12,6 +12,7 @@ mesh, the rank at coordinates (1, 0) holds rows 2..3:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate as TorchReplicate
 from torch.distributed.tensor import Shard as TorchShard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from autopar.runtime.comm import AxisGroup
 from plans.errors import UsageError
@@ -66,16 +68,36 @@ def gather_full(local: torch.Tensor, layout: Layout, groups: Sequence[AxisGroup]
     return value
 
 
-def torch_placements(layout: Layout) -> tuple[TorchShard | TorchReplicate, ...]:
+def torch_placements(
+    layout: Layout, mesh_shape: Sequence[int] = (), param: Layout | None = None
+) -> tuple[Placement, ...]:
     """DTensor's placements for a storage layout: ``Shard(d)`` and ``Replicate()``.
+
+    ``param``: for a ZeRO master piece (``layout`` its optimizer-state layout), the
+    parameter's own layout. The master is cut from the local parameter after the
+    parameter's own shards (``runtime.zero.master_piece``), while DTensor nests shards in
+    mesh-axis order; so a ZeRO axis outside a parameter axis that shards the same dim is
+    DTensor's ``_StridedShard`` over the inner axes' pieces (what FSDP2 records for a
+    tensor-parallel shard sharded again over data parallelism).
 
     A stored tensor (parameter, optimizer state) is never ``Partial``; one that is would be
     a bug in the planner, not a user error.
     """
-    placements: list[TorchShard | TorchReplicate] = []
-    for placement in layout:
+    placements: list[Placement] = []
+    for axis, placement in enumerate(layout):
         if isinstance(placement, Shard):
-            placements.append(TorchShard(placement.dim))
+            inner = 1
+            if param is not None and not isinstance(param[axis], Shard):
+                inner = math.prod(
+                    mesh_shape[b]
+                    for b in range(axis + 1, len(param))
+                    if isinstance(param[b], Shard) and param[b].dim == placement.dim
+                )
+            placements.append(
+                _StridedShard(placement.dim, split_factor=inner)
+                if inner > 1
+                else TorchShard(placement.dim)
+            )
         elif isinstance(placement, Replicate):
             placements.append(TorchReplicate())
         else:
@@ -84,9 +106,14 @@ def torch_placements(layout: Layout) -> tuple[TorchShard | TorchReplicate, ...]:
 
 
 def to_dtensor(
-    local: torch.Tensor, layout: Layout, device_mesh: Any, shape: Sequence[int]
+    local: torch.Tensor,
+    layout: Layout,
+    device_mesh: Any,
+    shape: Sequence[int],
+    param: Layout | None = None,
 ) -> DTensor:
-    """Wrap this rank's shard as a DTensor of the whole ``shape`` (sharing its storage).
+    """Wrap this rank's shard as a DTensor of the whole ``shape`` (sharing its storage);
+    ``param`` as in ``torch_placements``.
 
     The global shape and stride are given, not inferred, so DTensor does not assume even
     pieces nor run a check that communicates.
@@ -97,8 +124,33 @@ def to_dtensor(
     return DTensor.from_local(
         local.detach(),
         device_mesh,
-        torch_placements(layout),
+        torch_placements(layout, device_mesh.shape, param),
         run_check=False,
         shape=torch.Size(shape),
         stride=tuple(strides),
     )
+
+
+def local_of(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor: a DTensor's local shard (not a differentiable view of it), any
+    other tensor itself."""
+    if isinstance(tensor, DTensor):
+        with torch.no_grad():
+            return tensor.to_local()
+    return tensor
+
+
+def set_local_grad(param: torch.Tensor, local: torch.Tensor | None) -> None:
+    """Give ``param`` the gradient whose local shard is ``local`` (a DTensor for a DTensor
+    parameter, on its mesh and in its placements; ``local`` itself otherwise)."""
+    if local is not None and isinstance(param, DTensor):
+        with torch.no_grad():
+            local = DTensor.from_local(
+                local,
+                param.device_mesh,
+                param.placements,
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
+            )
+    param.grad = local

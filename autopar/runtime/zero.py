@@ -5,7 +5,8 @@ sharded over them (``ParamPlan.optimizer`` against ``ParamPlan.param``), the opt
 must only ever see this device's piece. So, as DeepSpeed's ZeRO does:
 
 - the ``nn.Parameter`` the optimizer steps is the *master* piece: the device's local
-  parameter, cut further along the ZeRO dims over the ZeRO axes;
+  parameter, cut further along the ZeRO dims over the ZeRO axes (a DTensor in the
+  optimizer state's layout, ``shards.torch_placements``);
 - the lowered graph reads a *working* copy in the parameter's own layout, all-gathered from
   the masters before a forward whenever a master changed (after an optimizer step). Under
   mixed precision a parameter that only matmuls read (``passes.mixed_precision``) has its
@@ -47,6 +48,7 @@ from torch import nn
 from autopar.runtime.collectives import start_reduce_scatter_rows, unflatten
 from autopar.runtime.comm import AxisGroup
 from autopar.runtime.param_groups import gather_group, reduce_scatter_group, scatter_rows
+from autopar.runtime.shards import local_of, set_local_grad
 from plans.buckets import open_buckets
 
 
@@ -63,10 +65,22 @@ class ZeroParam:
     zero_groups: tuple[AxisGroup, ...]
     other_groups: tuple[AxisGroup, ...]  # replicated axes that shard nothing
     shard_gradient: bool  # ZeRO-2
-    seen_version: int = -1
+    seen_version: tuple[int, int] = (-1, -1)
     # the pipeline stage (of this rank's) whose backward makes its gradient: buckets keep
     # to one, so each is summed in its own stage's backward
     part: int = 0
+
+    @property
+    def master_local(self) -> torch.Tensor:
+        """This device's master piece as a plain tensor (no autograd)."""
+        return local_of(self.master)
+
+    @property
+    def version(self) -> tuple[int, int]:
+        """Changes whenever the master does: an optimizer's in-place step bumps the
+        DTensor's version counter (its local shard's is not, below autograd), a write into
+        the local shard (``ZeroShards.assign``) the shard's."""
+        return self.master._version, self.master_local._version
 
 
 def master_piece(
@@ -112,7 +126,7 @@ class _Bucket:
         working copies themselves."""
         _gather_back(
             self.params,
-            [p.master.detach().to(p.working.dtype) for p in self.params],
+            [p.master_local.to(p.working.dtype) for p in self.params],
             into=[p.working for p in self.params],
         )
 
@@ -147,9 +161,9 @@ class _Bucket:
             grads = self._sum(ready, grads, done=0)
         for p, grad in zip(ready, grads, strict=True):
             if p.master.grad is None:  # a copy: not a view of the bucket's buffer
-                p.master.grad = grad.to(p.master.dtype, copy=True)
+                set_local_grad(p.master, grad.to(p.master.dtype, copy=True))
             else:
-                p.master.grad += grad
+                local_of(p.master.grad).add_(grad)
             p.working.grad = None
 
     def _ready(self) -> tuple[list[ZeroParam], list[torch.Tensor]]:
@@ -272,11 +286,11 @@ class ZeroShards:
         """Refresh every working copy whose master changed since it was last gathered."""
         with torch.no_grad():
             for bucket in self.buckets:
-                if all(p.master._version == p.seen_version for p in bucket.params):
+                if all(p.version == p.seen_version for p in bucket.params):
                     continue
                 bucket.gather()
                 for p in bucket.params:
-                    p.seen_version = p.master._version
+                    p.seen_version = p.version
 
     def whole(self, p: ZeroParam, piece: torch.Tensor) -> torch.Tensor:
         """A master-shaped tensor gathered back to the local parameter's shape."""
@@ -312,14 +326,14 @@ class ZeroShards:
         p = self.params[name]
         sizes = tuple(g.size for g in p.zero_groups)
         with torch.no_grad():
-            p.master.copy_(master_piece(local, p.dims, p.coords, sizes))
+            p.master_local.copy_(master_piece(local, p.dims, p.coords, sizes))
 
     def local_value(self, name: str) -> torch.Tensor:
         """The parameter's local value at full precision: its working copy, or the masters
         gathered where the working copy is cast."""
         p = self.params[name]
         if p.working.dtype != p.master.dtype:
-            return self.whole(p, p.master.detach())
+            return self.whole(p, p.master_local)
         self.gather()
         return p.working.detach()
 
@@ -327,4 +341,4 @@ class ZeroShards:
         p = self.params[name]
         if p.master.grad is None:
             return None
-        return self.whole(p, p.master.grad.detach())
+        return self.whole(p, local_of(p.master.grad))

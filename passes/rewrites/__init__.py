@@ -12,9 +12,13 @@ it changed (``CompiledModel.rewrites`` keeps the counts):
    add run as eager's one matmul with the bias.
 4. ``align_linears`` (``aligned_linear``; CUDA only): a 16-bit linear whose output rows are
    not 16-byte aligned runs with its weight padded.
-5. ``read_working_copies``: a ZeRO-1/2 parameter (optimizer state sharded beyond it) is
-   read from its whole working copy at ``working_copy_path``; the parameter's own path then
-   holds the master piece the optimizer steps (``runtime.zero``).
+5. ``read_local_tensors``: the graphs compute on plain local tensors, while the
+   parameters at the user's paths are DTensors (what PyTorch's tools read). A parameter is
+   read from its local shard at ``local_view_path``, which the runtime sets before each
+   forward (a differentiable ``to_local()``, so gradients reach the DTensor); a ZeRO-1/2
+   parameter (optimizer state sharded beyond it) from its whole working copy at
+   ``working_copy_path``, its own path then holding the master piece the optimizer steps
+   (``runtime.zero``).
 
 What needs the runtime's own objects is installed after these, on the rank's
 ``GraphModule``s (``runtime.memory_savers``): the plan's recompute regions as
@@ -68,6 +72,11 @@ def working_copy_path(target: str) -> str:
     return "_zero_working." + target.replace(".", "__")
 
 
+def local_view_path(target: str) -> str:
+    """Where the local shard of the (DTensor) parameter at ``target`` is read from."""
+    return "_local_shards." + target.replace(".", "__")
+
+
 def _skip_output_adjoints(rank: RankProgram) -> int:
     return skip_output_adjoints(rank.whole, rank.mesh_shape)
 
@@ -91,18 +100,19 @@ def _align_linears(rank: RankProgram) -> int:
     return sum(align_linears(graph) for graph in rank.graphs)
 
 
-def _read_working_copies(rank: RankProgram) -> int:
+def _read_local_tensors(rank: RankProgram) -> int:
     params = rank.plan.params
-    targets = {
-        target
-        for target, name in rank.whole.params.items()
+    path = {
+        target: working_copy_path(target)
         if zero_axes(params[name].param, params[name].optimizer, rank.mesh_shape)
+        else local_view_path(target)
+        for target, name in rank.whole.params.items()
     }
     rewritten = 0
     for graph in rank.graphs:
         for node in graph.nodes:
-            if node.op == "get_attr" and node.target in targets:
-                node.target = working_copy_path(str(node.target))
+            if node.op == "get_attr" and node.target in path:
+                node.target = path[str(node.target)]
                 rewritten += 1
     return rewritten
 
@@ -112,7 +122,7 @@ REWRITES: tuple[Rewrite, ...] = (
     Rewrite("split_stages", _split_stages),
     Rewrite("fuse_projections", _fuse_projections),
     Rewrite("align_linears", _align_linears),
-    Rewrite("read_working_copies", _read_working_copies),
+    Rewrite("read_local_tensors", _read_local_tensors),
 )
 
 

@@ -16,12 +16,13 @@ from typing import Any
 import torch
 
 import autopar
+from autopar.runtime.shards import local_of
 from examples.models import build
 
 
 def saved_bytes(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[int, Any]:
     """Bytes of the distinct storages autograd saves in ``module(*inputs)``, and the output."""
-    live = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    live = {local_of(p).untyped_storage().data_ptr() for p in module.parameters()}
     live |= {b.untyped_storage().data_ptr() for b in module.buffers()}
     live |= {t.untyped_storage().data_ptr() for t in inputs}
     seen: dict[int, int] = {}

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar
+from autopar.runtime.shards import local_of
 from examples.models import build
 from tests.autopar.runtime.closeness import in_float64
 
@@ -138,8 +139,9 @@ def compare(
 
 
 def _state_fraction(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> float:
-    """This rank's Adam state values over the whole model's parameter count."""
-    held = sum(s["exp_avg"].numel() for s in optimizer.state.values() if "exp_avg" in s)
+    """This rank's Adam state values over the whole model's parameter count (the state of a
+    DTensor parameter is a DTensor: its local shard is what this rank holds)."""
+    held = sum(local_of(s["exp_avg"]).numel() for s in optimizer.state.values() if "exp_avg" in s)
     whole = sum(_count(info.shape) for info in model.plan.params.values())
     return held / whole
 

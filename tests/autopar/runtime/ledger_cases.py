@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 import autopar
+from autopar.runtime.shards import local_of
 from examples.models import build
 from plans.ledger import tally_entries
 from tests.autopar.runtime.collective_counts import counting
@@ -19,7 +20,8 @@ from tests.autopar.runtime.features import cross_entropy
 
 
 def _nbytes(tensors: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """The bytes this rank holds of ``tensors`` (of a DTensor, its local shard)."""
+    return sum(local_of(t).numel() * t.element_size() for t in tensors)
 
 
 class HeldGradients:

@@ -10,6 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from autopar.runtime.shards import local_of
+
 
 class LiveBytes(TorchDispatchMode):
     """The bytes of every storage made by an op inside, and of the tensors ``track``ed,
@@ -22,7 +24,9 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
 
     def track(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
+        # a DTensor (a compiled model's parameter, its gradient and optimizer state) holds
+        # its local shard's storage, and no storage of its own
+        storage = local_of(tensor).untyped_storage()
         key = storage._cdata
         if key in self._sizes:
             return

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 import autopar
+from autopar.runtime.shards import local_of
 from tests.autopar.runtime.pipelines import BATCH, cross_entropy, make_case
 
 
@@ -102,7 +103,10 @@ def measure_stages(
             global_batch=BATCH,
             **options,
         )
-        live |= {t.untyped_storage().data_ptr() for t in (*compiled.parameters(), tokens, target)}
+        live |= {
+            local_of(t).untyped_storage().data_ptr()
+            for t in (*compiled.parameters(), tokens, target)
+        }
         live |= {b.untyped_storage().data_ptr() for b in compiled.buffers()}
         optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
         for step in range(2):

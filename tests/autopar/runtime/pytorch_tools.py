@@ -1,0 +1,145 @@
+"""Work for ``test_pytorch_tools.py``: a training script of the usual shape on gloo ranks.
+
+It clips gradients with ``torch.nn.utils.clip_grad_norm_``, steps AdamW under a cosine LR
+schedule, saves with ``torch.distributed.checkpoint.state_dict.get_state_dict`` and
+``dcp.save``, and resumes into a model compiled under another layout through ``dcp.load``
+and ``set_state_dict``, exactly as it would for FSDP2 or DTensor tensor parallelism. The
+same loop runs on one process without autopar; rank 0 returns both.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+import autopar
+from autopar.runtime.shards import torch_placements
+from tests.autopar.runtime.features import cross_entropy, make
+
+MODEL = "llama-tiny"
+MAX_NORM = 0.5  # below the gradients' norm, so clipping scales every step
+STEPS = 3  # before the checkpoint
+AFTER = 2  # after it
+
+
+def _optimizer(model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
+    return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=8)
+
+
+def _step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, schedule: Any, batch: tuple
+) -> tuple[float, float]:
+    """One step of the loop: (loss, the norm clip_grad_norm_ returned)."""
+    inputs, target = batch
+    loss = cross_entropy(model(*inputs), target)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    optimizer.step()
+    schedule.step()
+    optimizer.zero_grad()
+    value = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return float(loss.detach()), float(value)
+
+
+def _compile(model: nn.Module, force: str, zero: int, inputs: tuple) -> nn.Module:
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
+    return autopar.compile(model, mesh, example_inputs=inputs, force=force, zero=zero)
+
+
+def _placements(compiled: Any) -> dict[str, Any]:
+    """Per parameter: whether it is a DTensor, its placements against the plan's, whether its
+    whole value is the one ``full_parameter`` gathers, and this rank's shard."""
+    found = {}
+    for name, param in compiled.named_parameters():
+        canonical = compiled._canonical(name)
+        info = compiled.plan.params[canonical]
+        zero = canonical in compiled._zero.params
+        layout = info.optimizer if zero else info.param
+        planned = torch_placements(layout, compiled.mesh.shape, info.param if zero else None)
+        is_dtensor = isinstance(param, DTensor)
+        whole = param.full_tensor() if is_dtensor else param.detach()
+        found[name] = {
+            "dtensor": is_dtensor and isinstance(param, nn.Parameter),
+            "placements": tuple(param.placements) == planned if is_dtensor else False,
+            "whole": torch.equal(
+                whole.reshape(compiled.user_shape(name)), compiled.full_parameter(name)
+            ),
+            "local": param.to_local().detach().clone() if is_dtensor else param.detach(),
+            "sharded_on": [axis for axis, p in enumerate(planned) if not p.is_replicate()],
+        }
+    return found
+
+
+def _batches(inputs: tuple, target: torch.Tensor, count: int) -> list[tuple]:
+    """``count`` batches of the example's shapes (the example's, then shifted tokens)."""
+    return [
+        (tuple(torch.roll(x, i, dims=1) for x in inputs), torch.roll(target, i, dims=1))
+        for i in range(count)
+    ]
+
+
+def run_script(
+    rank: int, world: int, cases: list[tuple[str, int, str, int]], root: str
+) -> dict[str, Any]:
+    """Per case ``(force, zero, resume_force, resume_zero)``: the loop on 2x2 and on one
+    process, the checkpoint after ``STEPS`` steps resumed under the second layout."""
+    results: dict[str, Any] = {}
+    coords = None
+    for force, zero, again, again_zero in cases:
+        model, inputs, target = make(MODEL)
+        batches = _batches(inputs, target, STEPS + AFTER)
+        single = copy.deepcopy(model)
+        optimizer, schedule = _optimizer(single)
+        reference = [_step(single, optimizer, schedule, b) for b in batches]
+
+        compiled = _compile(copy.deepcopy(model), force, zero, inputs)
+        coords = compiled.coords
+        optimizer, schedule = _optimizer(compiled)
+        placed = _placements(compiled)
+        steps = [_step(compiled, optimizer, schedule, b) for b in batches[:STEPS]]
+        path = os.path.join(root, f"{force}-{zero}")
+        model_state, optim_state = get_state_dict(compiled, optimizer)
+        dcp.save(
+            {"model": model_state, "optim": optim_state, "schedule": schedule.state_dict()},
+            checkpoint_id=path,
+        )
+        steps += [_step(compiled, optimizer, schedule, b) for b in batches[STEPS:]]
+        trained = _placements(compiled)
+
+        # a fresh job under another layout: the standard resume
+        resumed = _compile(copy.deepcopy(make(MODEL, seed=7)[0]), again, again_zero, inputs)
+        optimizer, schedule = _optimizer(resumed)
+        model_state, optim_state = get_state_dict(resumed, optimizer)
+        state = {"model": model_state, "optim": optim_state, "schedule": schedule.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            resumed, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        schedule.load_state_dict(state["schedule"])
+        after = [_step(resumed, optimizer, schedule, b) for b in batches[STEPS:]]
+        results[f"{force}/zero={zero}"] = {
+            "parallelism": compiled.plan.parallelism.model_dump(),
+            "resumed_parallelism": resumed.plan.parallelism.model_dump(),
+            "reference": reference,
+            "steps": steps,
+            "resumed": after,
+            "placed": placed,
+            "trained": trained,
+            "optimizer_state_is_dtensor": all(
+                isinstance(value, DTensor)
+                for entries in optimizer.state.values()
+                for key, value in entries.items()
+                if key != "step"
+            ),
+        }
+        dist.barrier()
+    return {"coords": coords, "results": results}
