@@ -24,7 +24,7 @@ import sys
 import time
 import traceback
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -249,19 +249,36 @@ def _export(
 ) -> torch.export.ExportedProgram:
     was_training = model.training
     # torch logs and prints each failure at length (graphs, stacks); our one message
-    # replaces that. What it writes on success is passed on.
-    logging.disable(logging.CRITICAL)
+    # replaces that. What it writes on success is passed on; other loggers (the user's)
+    # are left as they are.
     captured = io.StringIO()
     try:
-        with contextlib.redirect_stderr(captured):
+        with contextlib.redirect_stderr(captured), _torch_loggers_off():
             exported = torch.export.export(model, args, kwargs, strict=False)
         sys.stderr.write(captured.getvalue())
         return exported
     except Exception as error:
         raise _explain_failure(model, error) from None
     finally:
-        logging.disable(logging.NOTSET)
         model.train(was_training)
+
+
+@contextlib.contextmanager
+def _torch_loggers_off() -> Iterator[None]:
+    """torch's own loggers (``torch`` and those under it) off for the block, then as they
+    were; unlike ``logging.disable`` this leaves every other logger alone."""
+    names = ["torch"] + [
+        name for name in logging.root.manager.loggerDict if name.startswith("torch.")
+    ]
+    loggers = [logging.getLogger(name) for name in names]
+    was = [logger.disabled for logger in loggers]
+    for logger in loggers:
+        logger.disabled = True
+    try:
+        yield
+    finally:
+        for logger, disabled in zip(loggers, was, strict=True):
+            logger.disabled = disabled
 
 
 _DATA_DEPENDENT_HINTS = (

@@ -180,3 +180,21 @@ def test_wrong_input_shape_is_a_usage_error():
 def test_not_a_module_is_refused():
     with pytest.raises(UsageError, match=r"nn\.Module"):
         trace(lambda x: x, (torch.randn(2),))  # type: ignore[arg-type]
+
+
+def test_tracing_leaves_the_users_logging_as_it_was():
+    import logging
+
+    logging.disable(logging.INFO)  # the user's own setting
+    mine = logging.getLogger("my_training")
+    mine.setLevel(logging.DEBUG)
+    try:
+        model, inputs = build("mlp-tiny", batch_size=4)
+        trace(model, inputs)
+        with pytest.raises(UntraceableModelError):
+            trace(DataDependent(), (torch.randn(2, 4),))
+        assert logging.root.manager.disable == logging.INFO
+        assert not mine.disabled and mine.level == logging.DEBUG
+        assert not logging.getLogger("torch").disabled  # torch's own back as they were
+    finally:
+        logging.disable(logging.NOTSET)
