@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.force import style_constraints
 from autopar.hints_api import apply_hints
@@ -189,7 +190,7 @@ class LazyCompiled(nn.Module):
 
 def compile(
     model: nn.Module,
-    mesh: Mesh,
+    mesh: Mesh | DeviceMesh,
     *,
     example_inputs: Sequence[Any] | None = None,
     plan: Plan | str | Path | None = None,
@@ -199,6 +200,10 @@ def compile(
     **options: Any,
 ) -> nn.Module:
     """Shard ``model`` over ``mesh`` on every rank of a running job.
+
+    ``mesh``: an ``autopar.Mesh`` (its process groups are made here; under ``torchrun``
+    the default group too, when the script has not made it), or a ``DeviceMesh`` the
+    script built with ``init_device_mesh`` (costed as ``Mesh.from_device_mesh`` says).
 
     With ``example_inputs`` it is built now; otherwise on the first call. ``options`` go to
     ``autopar.plan`` (memory_limit, optimizer, precision, force, global_batch, time_limit,
@@ -221,7 +226,9 @@ def compile(
     rank gets whole outputs. ``outputs="sharded"``: its local pieces
     (``compiled.output_layouts()``), from which each rank computes its summand of the loss.
     """
-    if not isinstance(mesh, Mesh):
+    if isinstance(mesh, DeviceMesh):
+        mesh = Mesh.from_device_mesh(mesh)
+    elif not isinstance(mesh, Mesh):
         mesh = Mesh.from_spec(mesh)
     if inputs not in ("global", "local"):
         raise UsageError(

@@ -380,13 +380,19 @@ class CompiledModel(nn.Module):
             local = local_shard(full, self.plan.params[name].param, self.coords, mesh.shape)
             if cast is not None and local.is_floating_point():
                 local = local.to(cast)
+            info = self.plan.params[name]
             placed = self._zero_param(name, target, local, tree)
             if placed is not None:
                 zero.append(placed)
-                continue
-            info = self.plan.params[name]
-            dtensor = to_dtensor(local.clone(), info.param, self.device_mesh, info.shape)
-            _set_attr(tree, target, nn.Parameter(dtensor), "param")
+                param = placed.master
+            else:
+                dtensor = to_dtensor(local.clone(), info.param, self.device_mesh, info.shape)
+                param = nn.Parameter(dtensor)
+                _set_attr(tree, target, param, "param")
+            # a tied weight under each of its names, as in the user's model (named_parameters
+            # gives it once; torch's state-dict helpers find it by every name)
+            for alias in info.aliases:
+                _set_attr(tree, alias, param, "param")
         buffers = dict(model.named_buffers(remove_duplicate=False))
         for target, name in lowered.buffers.items():
             value = buffers[name].detach().to(device)

@@ -19,12 +19,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 import autopar
 from autopar.runtime.shards import torch_placements
 from tests.autopar.runtime.features import cross_entropy, make
 
-MODEL = "llama-tiny"
 MAX_NORM = 0.5  # below the gradients' norm, so clipping scales every step
 STEPS = 3  # before the checkpoint
 AFTER = 2  # after it
@@ -74,6 +74,7 @@ def _placements(compiled: Any) -> dict[str, Any]:
                 whole.reshape(compiled.user_shape(name)), compiled.full_parameter(name)
             ),
             "local": param.to_local().detach().clone() if is_dtensor else param.detach(),
+            "strided": any(isinstance(p, _StridedShard) for p in planned),
             "sharded_on": [axis for axis, p in enumerate(planned) if not p.is_replicate()],
         }
     return found
@@ -88,14 +89,14 @@ def _batches(inputs: tuple, target: torch.Tensor, count: int) -> list[tuple]:
 
 
 def run_script(
-    rank: int, world: int, cases: list[tuple[str, int, str, int]], root: str
+    rank: int, world: int, cases: list[tuple[str, str, int, str, int]], root: str
 ) -> dict[str, Any]:
-    """Per case ``(force, zero, resume_force, resume_zero)``: the loop on 2x2 and on one
+    """Per case ``(model, force, zero, resume_force, resume_zero)``: the loop on 2x2 and on one
     process, the checkpoint after ``STEPS`` steps resumed under the second layout."""
     results: dict[str, Any] = {}
     coords = None
-    for force, zero, again, again_zero in cases:
-        model, inputs, target = make(MODEL)
+    for name, force, zero, again, again_zero in cases:
+        model, inputs, target = make(name)
         batches = _batches(inputs, target, STEPS + AFTER)
         single = copy.deepcopy(model)
         optimizer, schedule = _optimizer(single)
@@ -106,7 +107,7 @@ def run_script(
         optimizer, schedule = _optimizer(compiled)
         placed = _placements(compiled)
         steps = [_step(compiled, optimizer, schedule, b) for b in batches[:STEPS]]
-        path = os.path.join(root, f"{force}-{zero}")
+        path = os.path.join(root, f"{name}-{force}-{zero}")
         model_state, optim_state = get_state_dict(compiled, optimizer)
         dcp.save(
             {"model": model_state, "optim": optim_state, "schedule": schedule.state_dict()},
@@ -116,7 +117,7 @@ def run_script(
         trained = _placements(compiled)
 
         # a fresh job under another layout: the standard resume
-        resumed = _compile(copy.deepcopy(make(MODEL, seed=7)[0]), again, again_zero, inputs)
+        resumed = _compile(make(name, seed=7)[0], again, again_zero, inputs)
         optimizer, schedule = _optimizer(resumed)
         model_state, optim_state = get_state_dict(resumed, optimizer)
         state = {"model": model_state, "optim": optim_state, "schedule": schedule.state_dict()}
@@ -126,7 +127,7 @@ def run_script(
         )
         schedule.load_state_dict(state["schedule"])
         after = [_step(resumed, optimizer, schedule, b) for b in batches[STEPS:]]
-        results[f"{force}/zero={zero}"] = {
+        results[f"{name}/{force}/zero={zero}"] = {
             "parallelism": compiled.plan.parallelism.model_dump(),
             "resumed_parallelism": resumed.plan.parallelism.model_dump(),
             "reference": reference,
