@@ -71,7 +71,8 @@ class CommLog:
         self, phases: tuple[str, ...] = ("forward", "backward", "step")
     ) -> dict[CommKey, CommCount]:
         """Calls and bytes per (kind, axes, dtype), over the calls of ``phases`` (by default
-        all but state-dict gathers, which are not part of a step)."""
+        the step's: not state-dict gathers, nor ``clip_grad_norm_``'s sum, which the user's
+        script adds to a step)."""
         return tally(
             (c.kind, c.axes, c.dtype, 1, c.nbytes) for c in self.calls if c.phase in phases
         )
@@ -98,11 +99,15 @@ class AxisGroup:
         return dist.get_backend(self.pg) == "gloo"
 
     def all_reduce(
-        self, tensor: torch.Tensor, async_op: bool = False, phase: str | None = None
+        self,
+        tensor: torch.Tensor,
+        async_op: bool = False,
+        phase: str | None = None,
+        op: Any = dist.ReduceOp.SUM,
     ) -> Any:
-        """In-place sum over the group (``dist.all_reduce``), recorded."""
+        """In-place sum (or ``op``) over the group (``dist.all_reduce``), recorded."""
         self.log.record("all_reduce", self.axes, tensor, phase)
-        return dist.all_reduce(tensor, group=self.pg, async_op=async_op)
+        return dist.all_reduce(tensor, op=op, group=self.pg, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, group_src: int, phase: str | None = None) -> None:
         """``dist.broadcast`` from the group's rank ``group_src``, recorded."""

@@ -46,6 +46,7 @@ give every rank whole tensors (from the first stage holding each); ``forward`` i
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,6 +55,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils import _pytree as pytree
 
@@ -752,6 +754,43 @@ class CompiledModel(nn.Module):
         whole = self._from_holder(whole, self._param_holder(canonical), canonical)
         assert whole is not None
         return whole.reshape(self.user_shape(canonical))
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model, for every plan; returns
+        the total norm (a plain tensor, the same on every rank). Collective.
+
+        Without a pipeline, torch's own call on ``compiled.parameters()`` gives the same
+        result (the parameters are DTensors). With one, each rank holds only its stages'
+        parameters, so torch's call there sees one stage's norm: this sums the stages'
+        (a weight held by several stages, counted once) over the pipeline axis, as
+        torchtitan's pipeline-aware clipping does."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        if self.pipelined:
+            counted = [
+                p
+                for name, p in self.named_parameters()
+                if p.grad is not None and self._param_holder(name) == self.stage
+            ]
+        else:
+            counted = params
+        grads = [p.grad for p in counted if p.grad is not None]
+        if grads:
+            norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite)
+            local = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        else:
+            local = torch.zeros((), device=self.device)
+        total = local.detach().to(torch.float32)
+        if self.pipelined:
+            inf = math.isinf(norm_type)
+            total = total if inf else total.pow(norm_type)
+            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+            # the user's clipping is not part of the plan's step (the ledger leaves it out)
+            self._pp_group.all_reduce(total, op=op, phase="clip")
+            total = total if inf else total.pow(1.0 / norm_type)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
 
     def full_gradient(self, name: str) -> torch.Tensor | None:
         """The whole gradient of parameter ``name`` (None before backward). Collective."""

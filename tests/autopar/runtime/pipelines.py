@@ -96,6 +96,8 @@ def compare(
             loss = compiled.train_step(tokens, target)
             if step == 0:
                 grads = {n: compiled.full_gradient(n) for n in param_names}
+                # a bound above the norm: clip_grad_norm_ measures and leaves them as they are
+                norm = float(compiled.clip_grad_norm_(1e6))
             optimizer.step()
             losses.append(float(loss))
         params = {n: compiled.full_parameter(n) for n in param_names}
@@ -112,6 +114,12 @@ def compare(
                     "ref_losses": ref_losses,
                     "grads": grads,
                     "ref_grads": {n: ref_grads[n] for n in param_names},
+                    "norm": norm,
+                    "ref_norm": float(
+                        torch.linalg.vector_norm(
+                            torch.stack([g.norm() for g in ref_grads.values()])
+                        )
+                    ),
                     "params": params,
                     "ref_params": {n: ref_params[n].detach() for n in param_names},
                     "exact_losses": exact_losses,

@@ -112,6 +112,14 @@ def test_train_step_equals_single_device(runs: dict, case: str) -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
+def test_clip_grad_norm_measures_every_stage_once(runs: dict, case: str) -> None:
+    # each rank holds its stages' parameters; a tied embedding and head, held by the first
+    # and last stage, counts once
+    result, _ = _result(runs, case)
+    assert result["norm"] == pytest.approx(result["ref_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("case", list(CASES))
 def test_the_plan_runs_what_was_asked(runs: dict, case: str) -> None:
     result, _ = _result(runs, case)
     options = CASES[case][1]
