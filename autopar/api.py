@@ -12,7 +12,7 @@ import gc
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -105,7 +105,9 @@ def _plan(
         options.chunks,
         # microbatches below a stage's devices are planned on the model traced at that size
         retrace=lambda size: trace(
-            model, microbatch_inputs(tuple(example_inputs), batch, size), example_kwargs
+            model,
+            microbatch_inputs(tuple(example_inputs), batch, size),
+            microbatch_inputs(example_kwargs or {}, batch, size),
         ),
     )
     return hinted.plan(traced, pipeline), traced
@@ -269,7 +271,7 @@ def _build(
     given = options.pop("plan", None)
     inputs, outputs = options.pop("inputs", "global"), options.pop("outputs", "whole")
     loss_fn = options.pop("loss_fn", None)
-    batch = example_batch(args)
+    batch = example_batch((*args, *kwargs.values()))
     if loss_fn is None:
         # planned for forward: the whole example batch in one program, no pipeline
         if options.get("stages") not in (None, 1):
@@ -284,7 +286,7 @@ def _build(
             )
     if "precision" in options:
         run_precision(options["precision"], device.type)  # before planning: fail fast
-    example_kwargs = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+    example_kwargs = dict(kwargs)  # tensors too: model(input_ids=..., labels=...)
     traced: TracedModel | None = None
     if given is not None:
         chosen = given if isinstance(given, Plan) else load_plan(given)
@@ -305,7 +307,9 @@ def _build(
     if traced is None or (batch and chosen.microbatch_size != batch):
         # the program runs one microbatch: trace at its size (the plan was costed there)
         traced = trace(
-            model, microbatch_inputs(args, batch, chosen.microbatch_size), example_kwargs
+            model,
+            microbatch_inputs(args, batch, chosen.microbatch_size),
+            microbatch_inputs(example_kwargs, batch, chosen.microbatch_size),
         )
     if chosen.parallelism.pp > 1:
         device_mesh = pipeline_mesh(chosen, device.type)
@@ -337,15 +341,23 @@ def example_batch(args: tuple[Any, ...]) -> int:
     return 0
 
 
-def microbatch_inputs(args: tuple[Any, ...], batch: int, size: int) -> tuple[Any, ...]:
-    """The first microbatch of ``size`` of every input whose dim 0 is the ``batch``: what
-    the program of a plan with that microbatch size is traced on."""
+Inputs = TypeVar("Inputs", tuple[Any, ...], dict[str, Any])
+
+
+def microbatch_inputs(inputs: Inputs, batch: int, size: int) -> Inputs:
+    """The first microbatch of ``size`` of every input (positional, or keyword) whose dim 0
+    is the ``batch``: what the program of a plan with that microbatch size is traced on."""
     if not batch or size == batch:
-        return args
-    return tuple(
-        a[:size] if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch else a
-        for a in args
-    )
+        return inputs
+
+    def first(a: Any) -> Any:
+        if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch:
+            return a[:size]
+        return a
+
+    if isinstance(inputs, dict):
+        return {key: first(value) for key, value in inputs.items()}
+    return tuple(first(a) for a in inputs)
 
 
 def _plan_on_rank0(

@@ -23,6 +23,7 @@ import logging
 import sys
 import time
 import traceback
+import warnings
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -94,6 +95,10 @@ class TracedModel:
     # parameters planned in another shape than the model's (``passes.expose``):
     # name -> (the model's shape, the planned shape)
     reshaped: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    # the keyword inputs that are no tensors, as traced: the program is specialised to them
+    # (torch.export), so a call must pass the same; ``added`` those autopar set itself
+    constant_kwargs: dict[str, Any] = field(default_factory=dict)
+    added_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
@@ -139,6 +144,8 @@ def trace(
         raise UsageError(f"autopar traces an nn.Module, got {type(model).__name__}")
     args = tuple(example_inputs) if isinstance(example_inputs, list | tuple) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
+    added = _without_cache(model, kwargs)
+    kwargs.update(added)
     _check_signature(model, args, kwargs)
     if _model_device(model) == torch.device("meta"):
         args, kwargs = _to_meta((args, kwargs))
@@ -166,7 +173,7 @@ def trace(
     layers = find_layer_container(
         [module_path(n) for n in graph.nodes] + list(signature.inputs_to_parameters.values())
     )
-    warnings = annotate_graph(graph, placeholder_kinds, layers)
+    notes = annotate_graph(graph, placeholder_kinds, layers)
     params: dict[str, ParamInfo] = {}
     for node in graph.nodes:
         kind, name = placeholder_kinds.get(node.name, ("input", None))
@@ -185,8 +192,10 @@ def trace(
         user_outputs=[str(o) for o in signature.user_outputs],
         layers=layers,
         trace_seconds=time.perf_counter() - start,
-        warnings=warnings,
+        warnings=notes,
         reshaped=reshaped,
+        constant_kwargs={k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)},
+        added_kwargs=added,
     )
 
 
@@ -224,6 +233,24 @@ def _to_meta(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _to_meta(v) for k, v in value.items()}
     return value
+
+
+def _without_cache(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``{"use_cache": False}`` for a Hugging Face model whose config asks for a KV cache
+    when the caller did not say (else nothing): the cache serves generation, and its
+    ``DynamicCache`` output is no tensor the program can return. Said with a warning."""
+    config = getattr(model, "config", None)
+    if "use_cache" in kwargs or not getattr(config, "use_cache", False):
+        return {}
+    if "use_cache" not in inspect.signature(model.forward).parameters:
+        return {}
+    warnings.warn(
+        f"autopar traces {type(model).__name__} with use_cache=False (its config says "
+        "True): a training step has no use for the KV cache, and the compiled model "
+        "returns no past_key_values; set config.use_cache=False to silence this",
+        stacklevel=3,
+    )
+    return {"use_cache": False}
 
 
 def _check_signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

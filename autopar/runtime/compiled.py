@@ -215,6 +215,10 @@ class CompiledModel(nn.Module):
             self._part_of = {}
         self.lowered: LoweredGraph = lowered
         self._out_spec = traced.exported.call_spec.out_spec
+        # the keyword inputs as traced, in the order the program takes them
+        self._keywords = _traced_keywords(traced)
+        self._constant_kwargs = dict(traced.constant_kwargs)
+        self._added_kwargs = dict(traced.added_kwargs)  # use_cache=False, filled in
         # name -> (the user's shape, the planned shape), for parameters planned reshaped
         self._reshaped = dict(traced.reshaped)
         self._inputs = [
@@ -475,7 +479,7 @@ class CompiledModel(nn.Module):
                 "holds only its stages, so there is no whole forward to call; train with "
                 "compiled.train_step(inputs, targets)"
             )
-        leaves, _ = pytree.tree_flatten((args, kwargs))
+        leaves, _ = pytree.tree_flatten((args, self._ordered(kwargs)))
         if len(leaves) != len(self._inputs):
             raise UsageError(
                 f"the compiled model takes {len(self._inputs)} inputs (as traced), "
@@ -489,6 +493,27 @@ class CompiledModel(nn.Module):
         if self._out_spec is None:
             return flat
         return pytree.tree_unflatten(flat_list, self._out_spec)
+
+    def _ordered(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``kwargs`` in the order the model was traced with (a call may name them in any
+        order); the same keywords, or a message naming the difference."""
+        kwargs = {**self._added_kwargs, **kwargs}
+        if set(kwargs) != set(self._keywords):
+            missing = sorted(set(self._keywords) - set(kwargs))
+            extra = sorted(set(kwargs) - set(self._keywords))
+            raise UsageError(
+                f"the compiled model was traced with the keyword inputs {list(self._keywords)}"
+                f" (missing here: {missing}, not traced: {extra}); call it with the same "
+                "keywords, or compile again for these"
+            )
+        for key, traced in self._constant_kwargs.items():
+            if kwargs[key] != traced:
+                raise UsageError(
+                    f"{key}={kwargs[key]!r}: the compiled model was traced with "
+                    f"{key}={traced!r}, which its program is specialised to; pass that, or "
+                    "compile again"
+                )
+        return {key: kwargs[key] for key in self._keywords}
 
     def _prepare(self, index: int, value: Any) -> Any:
         """Check an input's shape against the plan; cast it for pure-bf16 runs."""
@@ -982,6 +1007,15 @@ class CompiledModel(nn.Module):
     ) -> None:
         """Load a checkpoint saved under any plan (DCP reshards it). Collective."""
         checkpoint.load_checkpoint(self, path, optimizer)
+
+
+def _traced_keywords(traced: TracedModel) -> tuple[str, ...]:
+    """The keyword inputs the model was traced with, in the exported program's order."""
+    spec = traced.exported.call_spec.in_spec
+    if spec is None or spec.num_children < 2:
+        return ()
+    keywords = spec.children_specs[1].context
+    return tuple(keywords) if keywords else ()
 
 
 def _shape_of(traced: TracedModel, node_name: str) -> tuple[int, ...] | None:

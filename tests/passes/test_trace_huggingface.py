@@ -54,3 +54,23 @@ def test_huggingface_llama_traces_on_meta():
         model = LlamaForCausalLM(config)
     traced = trace(model, (torch.zeros(1, 64, dtype=torch.long),), {"use_cache": False})
     assert traced.summary().layers == 4
+
+
+def test_a_model_whose_config_asks_for_a_kv_cache_is_traced_without_one():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
+    tokens = torch.randint(0, 64, (2, 8))
+    with pytest.warns(UserWarning, match="use_cache=False"):
+        traced = trace(model, (), {"input_ids": tokens, "labels": tokens})
+    assert traced.added_kwargs == {"use_cache": False}
+    assert traced.exported.call_spec.out_spec.context == ["loss", "logits"]

@@ -23,6 +23,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import autopar
 from autopar.runtime.shards import torch_placements
+from plans.errors import UsageError
 from tests.autopar.runtime.features import cross_entropy, make
 
 MAX_NORM = 0.5  # below the gradients' norm, so clipping scales every step
@@ -144,3 +145,74 @@ def run_script(
         }
         dist.barrier()
     return {"coords": coords, "results": results}
+
+
+def _hf_llama(seed: int = 0) -> nn.Module:
+    """A Hugging Face Llama from a config with its defaults (``use_cache=True`` among
+    them), at tiny sizes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _hf_step(model: nn.Module, optimizer: Any, schedule: Any, tokens: torch.Tensor) -> tuple:
+    loss = model(input_ids=tokens, labels=tokens).loss  # the model's own shifted loss
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    optimizer.step()
+    schedule.step()
+    optimizer.zero_grad()
+    value = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return float(loss.detach()), float(value)
+
+
+def run_hf_script(rank: int, world: int, forces: list[str]) -> dict[str, Any]:
+    """Per layout: a Hugging Face Llama trained as its users write it (compiled lazily,
+    called with ``input_ids`` and ``labels``, the optimizer made after the first call), and
+    the same loop on one process."""
+    generator = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 64, (4, 16), generator=generator) for _ in range(STEPS)]
+    results = {}
+    for force in forces:
+        single = _hf_llama()
+        optimizer, schedule = _optimizer(single)
+        reference = [_hf_step(single, optimizer, schedule, tokens) for tokens in batches]
+        mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
+        compiled = autopar.compile(_hf_llama(), mesh, force=force)
+        first = compiled(input_ids=batches[0], labels=batches[0]).loss  # plans here
+        optimizer, schedule = _optimizer(compiled)
+        first.backward()
+        norm = torch.nn.utils.clip_grad_norm_(compiled.parameters(), MAX_NORM)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        value = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        steps = [(float(first.detach()), float(value))]
+        steps += [_hf_step(compiled, optimizer, schedule, tokens) for tokens in batches[1:]]
+        results[force] = {"reference": reference, "steps": steps, "refused": _refusals(compiled)}
+    return results
+
+
+def _refusals(compiled: nn.Module) -> dict[str, str]:
+    """The messages of calls that do not fit the keywords the model was traced with."""
+    tokens = torch.zeros(4, 16, dtype=torch.long)
+    calls = {
+        "labels left out": {"input_ids": tokens},
+        "another cache setting": {"input_ids": tokens, "labels": tokens, "use_cache": True},
+    }
+    found = {}
+    for what, kwargs in calls.items():
+        try:
+            compiled(**kwargs)
+        except UsageError as error:
+            found[what] = str(error)
+    return found

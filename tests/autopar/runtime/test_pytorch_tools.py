@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from autopar.testing.ranks import run_ranks
-from tests.autopar.runtime.pytorch_tools import run_script
+from tests.autopar.runtime.pytorch_tools import run_hf_script, run_script
 
 pytestmark = pytest.mark.multirank
 
@@ -97,3 +97,33 @@ def test_a_dcp_checkpoint_resumes_under_another_layout(results, case) -> None:
     resumed = [loss for loss, _ in result["resumed"]]
     assert resumed == pytest.approx(continued, abs=TOLERANCE)
     assert result["optimizer_state_is_dtensor"]
+
+
+HF_FORCES = ["dp", "tp", "fsdp"]
+
+
+@pytest.fixture(scope="module")
+def hugging_face() -> dict[str, Any]:
+    return run_ranks(run_hf_script, 4, (HF_FORCES,))[0]
+
+
+@pytest.mark.parametrize("force", HF_FORCES)
+def test_a_hugging_face_model_called_with_labels_trains_as_on_one_device(
+    hugging_face, force
+) -> None:
+    result = hugging_face[force]
+    assert [loss for loss, _ in result["steps"]] == pytest.approx(
+        [loss for loss, _ in result["reference"]], abs=TOLERANCE
+    )
+    assert [norm for _, norm in result["steps"]] == pytest.approx(
+        [norm for _, norm in result["reference"]], rel=TOLERANCE
+    )
+
+
+def test_a_call_with_other_keywords_than_traced_is_refused_with_the_difference(
+    hugging_face,
+) -> None:
+    refused = hugging_face["dp"]["refused"]
+    assert "missing here: ['labels']" in refused["labels left out"]
+    assert "use_cache=True" in refused["another cache setting"]
+    assert "use_cache=False" in refused["another cache setting"]
