@@ -195,6 +195,7 @@ def compile(
     mesh: Mesh | DeviceMesh,
     *,
     example_inputs: Sequence[Any] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
     plan: Plan | str | Path | None = None,
     inputs: str = "global",
     outputs: str = "whole",
@@ -207,11 +208,12 @@ def compile(
     the default group too, when the script has not made it), or a ``DeviceMesh`` the
     script built with ``init_device_mesh`` (costed as ``Mesh.from_device_mesh`` says).
 
-    With ``example_inputs`` it is built now; otherwise on the first call. ``options`` go to
-    ``autopar.plan`` (memory_limit, optimizer, precision, force, global_batch, time_limit,
-    stages, schedule, microbatches, chunks); ``precision`` also sets how the model runs
-    (``autopar.runtime.precision``: ``"bf16_mixed"`` autocasts the forward to bf16 and
-    keeps fp32 parameters).
+    With ``example_inputs`` (positional) or ``example_kwargs`` (keyword inputs, such as
+    ``{"input_ids": x, "labels": x}``) it is built now; otherwise on the first call.
+    ``options`` go to ``autopar.plan`` (memory_limit, optimizer, precision, force,
+    global_batch, time_limit, stages, schedule, microbatches, chunks); ``precision`` also
+    sets how the model runs (``autopar.runtime.precision``: ``"bf16_mixed"`` autocasts the
+    forward to bf16 and keeps fp32 parameters).
 
     ``loss_fn(outputs, targets)``, the loss as the user computes it on one device (a mean
     over the batch), enables ``compiled.train_step(inputs, targets)``: one optimizer step's
@@ -249,8 +251,9 @@ def compile(
     if loss_fn is not None and not callable(loss_fn):
         raise UsageError(f"loss_fn must be callable (outputs, targets) -> loss, not {loss_fn!r}")
     options = dict(options, plan=plan, inputs=inputs, outputs=outputs, loss_fn=loss_fn)
-    if example_inputs is not None:
-        return _build(model, mesh, tuple(example_inputs), {}, options)
+    if example_inputs is not None or example_kwargs is not None:
+        args = tuple(example_inputs) if example_inputs is not None else ()
+        return _build(model, mesh, args, dict(example_kwargs or {}), options)
     return LazyCompiled(model, mesh, options)
 
 

@@ -1014,7 +1014,7 @@ def _traced_keywords(traced: TracedModel) -> tuple[str, ...]:
     spec = traced.exported.call_spec.in_spec
     if spec is None or spec.num_children < 2:
         return ()
-    keywords = spec.children_specs[1].context
+    keywords = spec.child(1).context
     return tuple(keywords) if keywords else ()
 
 

@@ -33,11 +33,13 @@ def single_device() -> tuple[list[float], list[float], torch.nn.Module]:
     return losses, norms, model
 
 
-# autopar-mesh: the script makes no process group (compile starts it from torchrun's
-# environment); device-mesh: the script's own init_device_mesh mesh is compiled onto
-@pytest.mark.parametrize("mode", ["autopar-mesh", "device-mesh"])
-def test_training_under_torchrun_matches_single_device(tmp_path: Path, mode: str) -> None:
-    out = tmp_path / "losses.json"
+def _flat(history: list) -> list[float]:
+    """(loss, norm) per step, laid end to end."""
+    return [value for step in history for value in step]
+
+
+def _torchrun(*script: str) -> None:
+    """Run ``script`` (a file or ``-m module``, with its arguments) on 2 processes."""
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
@@ -45,12 +47,40 @@ def test_training_under_torchrun_matches_single_device(tmp_path: Path, mode: str
     )
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(Path(__file__).with_name("torchrun_train.py")), str(out), mode,
+        *script,
     ]  # fmt: skip
     done = subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_the_example_training_script_matches_one_device_and_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    """examples/train.py as a user runs it: no process group of its own (compile starts it
+    from torchrun's environment), a Hugging Face Llama called with labels, clipping, a
+    cosine schedule, a DCP checkpoint after step 2 that a second job resumes from."""
+    from examples.train import build_model, train
+
+    checkpoint, first, second = tmp_path / "ckpt", tmp_path / "a.json", tmp_path / "b.json"
+    common = ["-m", "examples.train", "--mesh", "2", "--steps", "4"]
+    _torchrun(*common, "--checkpoint", str(checkpoint), "--save-at", "2", "--out", str(first))
+    _torchrun(*common, "--checkpoint", str(checkpoint), "--resume", "2", "--out", str(second))
+    trained = json.loads(first.read_text())
+    resumed = json.loads(second.read_text())
+    alone = train(build_model(), 4)
+    assert trained["world"] == 2
+    assert min(norm for _, norm in alone) > 0.5  # clipping acts on every step
+    assert _flat(trained["history"]) == pytest.approx(_flat(alone), rel=1e-5)
+    assert _flat(resumed["history"]) == pytest.approx(_flat(trained["history"][2:]), rel=1e-5)
+
+
+def test_training_onto_the_scripts_own_device_mesh_matches_single_device(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "losses.json"
+    _torchrun(str(Path(__file__).with_name("torchrun_train.py")), str(out))
     result = json.loads(out.read_text())
     losses, norms, model = single_device()
     assert result["world"] == 2

@@ -1,13 +1,12 @@
 """Train GPT-tiny on a (2,) mesh under ``torchrun``; rank 0 writes the losses as JSON.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 torchrun_train.py OUT MODE
+    python -m torch.distributed.run --standalone --nproc_per_node 2 torchrun_train.py OUT
 
 A training script as users write one: ``torchrun`` sets the rank and the rendezvous in the
-environment; with MODE ``autopar-mesh`` the script makes no process group itself
-(``autopar.compile`` starts it from the environment), with ``device-mesh`` it builds a
-``DeviceMesh`` with ``init_device_mesh`` and compiles onto it. The model is compiled lazily
-(planned on its first call), the optimizer is built after that call, and gradients are
-clipped with ``torch.nn.utils.clip_grad_norm_``; after training it reads the state and the
+environment, the script builds a ``DeviceMesh`` with ``init_device_mesh`` and compiles onto
+it (``examples/train.py`` is the script that leaves the process group to ``compile``).
+The model is compiled lazily (planned on its first call), the optimizer is built after
+that call, and gradients are clipped with ``torch.nn.utils.clip_grad_norm_``; after training it reads the state and the
 parameter names through the lazy wrapper. ``test_torchrun.py`` runs it.
 
 The model is dropped and garbage collected before ``destroy_process_group``: gloo's worker
@@ -35,12 +34,9 @@ STEPS = 2
 MAX_NORM = 0.5
 
 
-def train(mode: str) -> dict[str, Any]:
+def train() -> dict[str, Any]:
     model, inputs, target = make("gpt-tiny")
-    if mode == "device-mesh":
-        mesh: Any = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    else:
-        mesh = autopar.Mesh((2,), ("dp",), device="cpu")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     compiled = autopar.compile(model, mesh)
     optimizer = None
     losses, norms = [], []
@@ -57,16 +53,16 @@ def train(mode: str) -> dict[str, Any]:
     return {
         "losses": losses,
         "norms": norms,
-        "given_mesh_used": mode != "device-mesh" or compiled.device_mesh is mesh,
+        "given_mesh_used": compiled.device_mesh is mesh,
         "world": dist.get_world_size(),
         "state_keys": list(state),
         "names": [name for name, _ in compiled.named_parameters()],
     }
 
 
-def main(out_path: str, mode: str) -> None:
+def main(out_path: str) -> None:
     torch.set_num_threads(1)
-    result = train(mode)
+    result = train()
     gc.collect()
     if dist.get_rank() == 0:
         with open(out_path, "w") as file:
@@ -75,4 +71,4 @@ def main(out_path: str, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1])
