@@ -6,8 +6,9 @@ A training script as users write one: ``torchrun`` sets the rank and the rendezv
 environment, the script builds a ``DeviceMesh`` with ``init_device_mesh`` and compiles onto
 it (``examples/train.py`` is the script that leaves the process group to ``compile``).
 The model is compiled lazily (planned on its first call), the optimizer is built after
-that call, and gradients are clipped with ``torch.nn.utils.clip_grad_norm_``; after training it reads the state and the
-parameter names through the lazy wrapper. ``test_torchrun.py`` runs it.
+that call, and gradients are clipped with ``torch.nn.utils.clip_grad_norm_``; after
+training it reads the state and the parameter names through the lazy wrapper.
+``test_torchrun.py`` runs it.
 
 The model is dropped and garbage collected before ``destroy_process_group``: gloo's worker
 threads can hold the last reference to a tensor that a collective run in backward used,
