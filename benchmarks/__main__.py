@@ -155,6 +155,8 @@ def measure(name: str, args: argparse.Namespace, stash: dict[str, Any]) -> Any:
     if name == "quality":
         from benchmarks import quality
 
+        replaced = args.results / "quality.json"  # the record this run replaces
+        previous = json.loads(replaced.read_text()) if replaced.exists() else None
         done = None
         if args.resume:
             for stored in ("quality.partial.json", "quality.json"):
@@ -182,6 +184,8 @@ def measure(name: str, args: argparse.Namespace, stash: dict[str, Any]) -> Any:
             ),
         )
         (args.results / "quality.partial.json").unlink(missing_ok=True)  # complete now
+        if previous is not None and not args.quick:
+            data["previous"] = quality.previous_summary(previous)
         return data
     from benchmarks import runtime, sections
 

@@ -417,3 +417,16 @@ def run(
         if save is not None:
             save({"cases": results, "seconds": time.perf_counter() - start})
     return {"cases": results, "seconds": time.perf_counter() - start}
+
+
+def previous_summary(record: dict[str, Any]) -> dict[str, Any]:
+    """What a new quality record keeps of the one it replaces, so the document can say
+    what changed: when and at which commit it was run, and autopar's plan per case."""
+    return {
+        "date": record.get("date"),
+        "commit": record.get("machine", {}).get("commit"),
+        "cases": {
+            f"{case['model']}@{case['devices']}": case["autopar"]
+            for case in record["data"]["cases"]
+        },
+    }

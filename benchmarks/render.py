@@ -374,6 +374,7 @@ def quality(record: dict[str, Any] | None) -> str:
                         else "."
                     )
                 )
+    lines += _changed(cases, record["data"].get("previous"))
     lines += [
         "",
         "The Megatron grid, every (tp, pp) tried (step time, or why it was left out):",
@@ -392,6 +393,34 @@ def quality(record: dict[str, Any] | None) -> str:
             tried.append(f"tp {r['tp']} pp {r['pp_tried']}: {what}")
         lines.append(f"- {case['model']} on {case['mesh']}: " + "; ".join(tried))
     return "\n".join(lines)
+
+
+def _changed(cases: list[dict[str, Any]], previous: dict[str, Any] | None) -> list[str]:
+    """autopar's plan per case against the record this run replaced: its estimated step,
+    MFU and configuration then and now."""
+    if not previous:
+        return []
+    lines = [
+        "",
+        f"What changed since the previous record (run {previous.get('date')}, commit "
+        f"{previous.get('commit')}): autopar's own plan, then and now (step ratio now/then).",
+        "",
+        "| model | mesh | then | now | now/then | configuration then | configuration now |",
+        "|---|---|---|---|---:|---|---|",
+    ]
+    for case in cases:
+        then = previous["cases"].get(f"{case['model']}@{case['devices']}")
+        now = case["autopar"]
+        if then is None:
+            continue
+        both = then.get("status") == "ok" and now.get("status") == "ok"
+        ratio = f"{now['step_s'] / then['step_s']:.3f}" if both else "-"
+        was, is_ = _config(then), _config(now)
+        lines.append(
+            f"| {case['model']} | {case['mesh']} | {_cell(then, {})} | {_cell(now, {})} "
+            f"| {ratio} | {was} | {is_ if is_ != was else 'same'} |"
+        )
+    return lines
 
 
 def _resumed(cases: list[dict[str, Any]]) -> list[str]:
