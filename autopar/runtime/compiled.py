@@ -293,14 +293,18 @@ class CompiledModel(nn.Module):
             for (n, p), target in zip(self._named_local(), self.lowered.params, strict=True)
             if n not in self._zero.params
         ]
+        # backward accumulates into the leaves the programs read; the sync sums those
+        leaf = local_shards.leaf_of
         self._sync = GradientSync(
-            [(p, groups) for target, p, groups in synced if self._part_of.get(target, 0) >= 0],
+            [(leaf(p), groups) for t, p, groups in synced if self._part_of.get(t, 0) >= 0],
             reduce_dtype=self.precision.compute,  # mixed precision: sums in bf16 / fp16
             parts=[self._part_of.get(t, 0) for t, _, _ in synced if self._part_of.get(t, 0) >= 0],
+            deliver=local_shards.deliver,
         )
         self._shared_sync = GradientSync(
-            [(p, groups) for target, p, groups in synced if self._part_of.get(target, 0) < 0],
+            [(leaf(p), groups) for t, p, groups in synced if self._part_of.get(t, 0) < 0],
             reduce_dtype=self.precision.compute,
+            deliver=local_shards.deliver,
         )
         self._shared_sync.enabled = False
         _share_tree(self, tree)

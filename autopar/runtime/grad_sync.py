@@ -10,32 +10,35 @@ bucket is accumulated (``register_post_accumulate_grad_hook``), the bucket's fla
 gradient is all-reduced asynchronously while backward goes on. A callback queued on the
 autograd engine waits for every bucket before ``backward`` returns, so the optimizer sees
 synchronised gradients. Each gradient then *is* its slice of the summed bucket (a view, as
-DDP's ``gradient_as_bucket_view``; for a DTensor parameter, the local shard of its
-DTensor gradient): nothing is copied back, one pass over every gradient
+DDP's ``gradient_as_bucket_view``): nothing is copied back, one pass over every gradient
 per step less than copying (DDP's default). A bucket holds one dtype, so that the views
 have their parameters' dtype. As DDP's, the first bucket (the last layers' gradients, ready
 first) is small, ``first_bucket_bytes`` (1 MiB, DDP's default), so that communication
 starts early in backward instead of after a whole 25 MiB of it.
+
+It works on the plain tensors backward accumulates into (a DTensor parameter's leaf,
+``runtime.local_shards``), and hands each summed gradient to ``deliver``, which adds it
+into the gradient of the parameter the user sees and frees the leaf's: what a backward
+adds is summed once, however many backwards a step has. A parameter that no axis
+replicates is delivered as it is, at the same moment.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from autopar.runtime.collectives import unflatten
 from autopar.runtime.comm import AxisGroup
-from autopar.runtime.shards import local_of, set_local_grad
 from plans.buckets import ddp_buckets
 
 
 @dataclass
 class _Bucket:
-    params: list[nn.Parameter]
+    params: list[torch.Tensor]
     groups: tuple[AxisGroup, ...]
     ready: int = 0
     handles: list[Any] = field(default_factory=list)
@@ -48,26 +51,26 @@ class GradientSync:
 
     def __init__(
         self,
-        params: Sequence[tuple[nn.Parameter, tuple[AxisGroup, ...]]],
+        params: Sequence[tuple[torch.Tensor, tuple[AxisGroup, ...]]],
         bucket_bytes: int = 25 * 2**20,
         first_bucket_bytes: int = 2**20,
         reduce_dtype: torch.dtype | None = None,
         parts: Sequence[int] | None = None,
+        deliver: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     ) -> None:
         """``reduce_dtype``: sum floating-point gradients in this dtype (under mixed
         precision the compute dtype, as FSDP2's ``MixedPrecisionPolicy`` reduces by default
         and DDP's ``bf16_compress_hook`` does), cast back into the buckets after.
         ``parts``: per parameter, the pipeline stage (of this rank's) whose backward makes
         its gradient; a bucket keeps to one, so each is complete in its stage's last
-        backward."""
+        backward. ``deliver(tensor, summed)``: where a summed gradient goes (by default, it
+        becomes ``tensor.grad``)."""
         self.reduce_dtype = reduce_dtype
+        self._deliver = deliver or _set_grad
         listed = list(params)
         part_of = list(parts) if parts is not None else [0] * len(listed)
-        synced = [
-            (p, groups, part)
-            for (p, groups), part in reversed(list(zip(listed, part_of, strict=True)))
-            if groups
-        ]
+        tagged = list(zip(listed, part_of, strict=True))
+        synced = [(p, groups, part) for (p, groups), part in reversed(tagged) if groups]
         items = [
             ((part, *(id(g) for g in groups), p.dtype, p.device), _local_bytes(p))
             for p, groups, part in synced
@@ -77,33 +80,29 @@ class GradientSync:
             for bucket in ddp_buckets(items, bucket_bytes, first_bucket_bytes)
         ]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._direct = [p for p, groups in listed if not groups]
         self._queued = False
         # off: backward leaves partial gradients alone (gradient accumulation: only the
         # last microbatch's backward syncs, as DDP's ``no_sync``; in a pipeline, each stage's
         # last backward, ``runtime.pipeline``)
         self.enabled = True
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._on_grad)
-            for b in self.buckets
-            for p in b.params
-        ]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p, _ in listed]
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self.enabled:
             return
-        bucket = self._bucket_of[id(param)]
-        bucket.ready += 1
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._queued = True
+        bucket = self._bucket_of.get(id(param))
+        if bucket is None:
+            return  # delivered as it is, at the end
+        bucket.ready += 1
         if bucket.ready == len(bucket.params):
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        grads = [
-            local_of(p.grad) if p.grad is not None else torch.zeros_like(local_of(p))
-            for p in bucket.params
-        ]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
         bucket.flat = torch.cat([g.reshape(-1) for g in grads])
         dtype = self.reduce_dtype
         cast = dtype is not None and bucket.flat.is_floating_point() and bucket.flat.dtype != dtype
@@ -122,10 +121,14 @@ class GradientSync:
                     group.all_reduce(bucket.wire)
                 if bucket.wire is not bucket.flat:
                     bucket.flat.copy_(bucket.wire)
-                sums = unflatten(bucket.flat, [local_of(param).shape for param in bucket.params])
+                sums = unflatten(bucket.flat, [param.shape for param in bucket.params])
                 for param, synced in zip(bucket.params, sums, strict=True):
-                    set_local_grad(param, synced)
+                    if param.requires_grad:  # a frozen one's zeros keep the buckets alike
+                        self._deliver(param, synced)
             bucket.ready, bucket.handles, bucket.flat, bucket.wire = 0, [], None, None
+        for param in self._direct:
+            if param.grad is not None:
+                self._deliver(param, param.grad)
         self._queued = False
 
     def sync_all(self) -> None:
@@ -140,6 +143,9 @@ class GradientSync:
             hook.remove()
 
 
+def _set_grad(tensor: torch.Tensor, summed: torch.Tensor) -> None:
+    tensor.grad = summed
+
+
 def _local_bytes(param: torch.Tensor) -> int:
-    local = local_of(param)
-    return local.numel() * local.element_size()
+    return param.numel() * param.element_size()

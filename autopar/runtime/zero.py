@@ -283,8 +283,12 @@ class ZeroShards:
         return bool(self.params)
 
     def gather(self) -> None:
-        """Refresh every working copy whose master changed since it was last gathered."""
+        """Refresh every working copy whose master changed since it was last gathered (and
+        its ``requires_grad``, which the user sets on the master)."""
         with torch.no_grad():
+            for p in self.params.values():
+                if p.working.requires_grad != p.master.requires_grad:
+                    p.working.requires_grad_(p.master.requires_grad)
             for bucket in self.buckets:
                 if all(p.version == p.seen_version for p in bucket.params):
                     continue

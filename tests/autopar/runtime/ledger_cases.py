@@ -33,10 +33,13 @@ class HeldGradients:
         zero = list(compiled._zero.params.values())
         masters = {id(z.master) for z in zero}
         self.tensors = [p for p in compiled.parameters() if id(p) not in masters]
-        self.tensors += [z.master for z in zero] + [z.working for z in zero]
+        # backward reaches a DTensor parameter's plain leaf (``runtime.local_shards``),
+        # which holds its gradient until the sync delivers it to the parameter
+        leaves = [compiled._local_shards.leaf_of(p) for p in self.tensors]
+        self.tensors += leaves + [z.master for z in zero] + [z.working for z in zero]
         self.most = 0
         self._queued = False
-        for t in self.tensors:
+        for t in leaves + [z.working for z in zero]:
             if t.requires_grad:
                 t.register_post_accumulate_grad_hook(self._on_grad)
 

@@ -89,6 +89,50 @@ def _batches(inputs: tuple, target: torch.Tensor, count: int) -> list[tuple]:
     ]
 
 
+def _gradient_gap(compiled: Any, single: nn.Module) -> dict[str, float | None]:
+    """Per parameter: the largest difference between its whole gradient and the single
+    model's, relative to the latter's largest entry (None where the parameter has none)."""
+    reference = dict(single.named_parameters())
+    gaps: dict[str, float | None] = {}
+    for name, param in compiled.named_parameters():
+        want = reference[name].grad
+        if param.grad is None or want is None:
+            gaps[name] = None if param.grad is None and want is None else float("inf")
+            continue
+        got = param.grad.full_tensor().reshape(compiled.user_shape(name))
+        gaps[name] = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+    return gaps
+
+
+def _gradient_patterns(compiled: Any, single: nn.Module, batches: list[tuple]) -> dict[str, Any]:
+    """The gradients a user sees under the usual patterns, against one process's:
+    accumulated over two backwards, after zeroing in place, with a parameter frozen."""
+
+    def backward(model: nn.Module, batch: tuple) -> None:
+        inputs, target = batch
+        cross_entropy(model(*inputs), target).backward()
+
+    found: dict[str, Any] = {}
+    for model in (compiled, single):
+        backward(model, batches[0])
+        backward(model, batches[1])
+    found["accumulated"] = _gradient_gap(compiled, single)
+    for model in (compiled, single):
+        model.zero_grad(set_to_none=False)
+        backward(model, batches[0])
+    found["zeroed in place"] = _gradient_gap(compiled, single)
+    frozen = next(name for name, _ in single.named_parameters())
+    for model in (compiled, single):
+        model.zero_grad()
+        model.get_parameter(frozen).requires_grad_(False)
+        backward(model, batches[1])
+    found["frozen"] = {"name": frozen, "gaps": _gradient_gap(compiled, single)}
+    for model in (compiled, single):
+        model.get_parameter(frozen).requires_grad_(True)
+        model.zero_grad()
+    return found
+
+
 def run_script(
     rank: int, world: int, cases: list[tuple[str, str, int, str, int]], root: str
 ) -> dict[str, Any]:
@@ -105,6 +149,7 @@ def run_script(
 
         compiled = _compile(copy.deepcopy(model), force, zero, inputs)
         coords = compiled.coords
+        gradients = _gradient_patterns(compiled, copy.deepcopy(model), batches[:2])
         optimizer, schedule = _optimizer(compiled)
         placed = _placements(compiled)
         steps = [_step(compiled, optimizer, schedule, b) for b in batches[:STEPS]]
@@ -136,6 +181,7 @@ def run_script(
             "resumed": after,
             "placed": placed,
             "trained": trained,
+            "gradients": gradients,
             "optimizer_state_is_dtensor": all(
                 isinstance(value, DTensor)
                 for entries in optimizer.state.values()

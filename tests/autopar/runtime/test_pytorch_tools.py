@@ -90,6 +90,24 @@ def test_replicated_parameters_stay_bit_equal_across_ranks(ranks, case) -> None:
 
 
 @pytest.mark.parametrize("case", NAMES)
+@pytest.mark.parametrize("pattern", ["accumulated", "zeroed in place"])
+def test_gradients_are_the_single_device_ones_under_the_usual_patterns(
+    results, case, pattern
+) -> None:
+    """Two backwards without zeroing add up; a zero_grad(set_to_none=False) starts afresh."""
+    gaps = results[case]["gradients"][pattern]
+    assert all(gap is not None and gap < TOLERANCE for gap in gaps.values()), gaps
+
+
+@pytest.mark.parametrize("case", NAMES)
+def test_a_frozen_parameter_gets_no_gradient_and_the_others_theirs(results, case) -> None:
+    frozen = results[case]["gradients"]["frozen"]
+    gaps = dict(frozen["gaps"])
+    assert gaps.pop(frozen["name"]) is None, frozen
+    assert all(gap is not None and gap < TOLERANCE for gap in gaps.values()), gaps
+
+
+@pytest.mark.parametrize("case", NAMES)
 def test_a_dcp_checkpoint_resumes_under_another_layout(results, case) -> None:
     result = results[case]
     assert result["resumed_parallelism"] != result["parallelism"]
