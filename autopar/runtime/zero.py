@@ -38,12 +38,16 @@ evenly keeps a bucket of its own.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from autopar.runtime.collectives import start_reduce_scatter_rows, unflatten
 from autopar.runtime.comm import AxisGroup
@@ -77,9 +81,10 @@ class ZeroParam:
 
     @property
     def version(self) -> tuple[int, int]:
-        """Changes whenever the master does: an optimizer's in-place step bumps the
-        DTensor's version counter (its local shard's is not, below autograd), a write into
-        the local shard (``ZeroShards.assign``) the shard's."""
+        """Changes when the master is written: an in-place op on the DTensor bumps its
+        version counter (its local shard's is not, below autograd), a write into the local
+        shard (``ZeroShards.assign``) the shard's. Foreach and fused optimizer kernels bump
+        neither: ``ZeroShards.note_step`` covers them."""
         return self.master._version, self.master_local._version
 
 
@@ -278,6 +283,13 @@ class ZeroShards:
         # optimizer); ZeRO-2 sums each microbatch's into its piece, keeping no whole gradient
         self.accumulating = False
         self._hooks = [p.working.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        # an optimizer's foreach and fused kernels step a DTensor master without bumping
+        # any version counter: a step of an optimizer holding masters marks them changed
+        self._masters = frozenset(id(p.master) for p in params)
+        self._stepped: set[int] = set()
+        if params:
+            handle = register_optimizer_step_post_hook(partial(_note_step, weakref.ref(self)))
+            weakref.finalize(self, handle.remove)
 
     def __bool__(self) -> bool:
         return bool(self.params)
@@ -290,11 +302,20 @@ class ZeroShards:
                 if p.working.requires_grad != p.master.requires_grad:
                     p.working.requires_grad_(p.master.requires_grad)
             for bucket in self.buckets:
-                if all(p.version == p.seen_version for p in bucket.params):
+                if all(
+                    p.version == p.seen_version and id(p.master) not in self._stepped
+                    for p in bucket.params
+                ):
                     continue
                 bucket.gather()
                 for p in bucket.params:
                     p.seen_version = p.version
+            self._stepped.clear()
+
+    def note_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer`` stepped: its masters changed, whatever their version counters say."""
+        for group in optimizer.param_groups:
+            self._stepped.update(id(t) for t in group["params"] if id(t) in self._masters)
 
     def whole(self, p: ZeroParam, piece: torch.Tensor) -> torch.Tensor:
         """A master-shaped tensor gathered back to the local parameter's shape."""
@@ -346,3 +367,9 @@ class ZeroShards:
         if p.master.grad is None:
             return None
         return self.whole(p, local_of(p.master.grad))
+
+
+def _note_step(shards: weakref.ref[ZeroShards], optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    alive = shards()
+    if alive is not None:
+        alive.note_step(optimizer)

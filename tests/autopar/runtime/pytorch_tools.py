@@ -3,7 +3,8 @@
 It clips gradients with ``torch.nn.utils.clip_grad_norm_``, steps AdamW under a cosine LR
 schedule, saves with ``torch.distributed.checkpoint.state_dict.get_state_dict`` and
 ``dcp.save``, and resumes into a model compiled under another layout through ``dcp.load``
-and ``set_state_dict``, exactly as it would for FSDP2 or DTensor tensor parallelism. The
+and ``set_state_dict`` (stepping AdamW's foreach kernels from then on), exactly as it would
+for FSDP2 or DTensor tensor parallelism. The
 same loop runs on one process without autopar; rank 0 returns both.
 """
 
@@ -31,8 +32,8 @@ STEPS = 3  # before the checkpoint
 AFTER = 2  # after it
 
 
-def _optimizer(model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
+def _optimizer(model: nn.Module, foreach: bool | None = None) -> tuple[torch.optim.Optimizer, Any]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3, foreach=foreach)
     return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=8)
 
 
@@ -162,9 +163,10 @@ def run_script(
         steps += [_step(compiled, optimizer, schedule, b) for b in batches[STEPS:]]
         trained = _placements(compiled)
 
-        # a fresh job under another layout: the standard resume
+        # a fresh job under another layout: the standard resume, stepping AdamW's foreach
+        # kernels (CUDA's default), which bump no DTensor's version counter
         resumed = _compile(make(name, seed=7)[0], again, again_zero, inputs)
-        optimizer, schedule = _optimizer(resumed)
+        optimizer, schedule = _optimizer(resumed, foreach=True)
         model_state, optim_state = get_state_dict(resumed, optimizer)
         state = {"model": model_state, "optim": optim_state, "schedule": schedule.state_dict()}
         dcp.load(state, checkpoint_id=path)
@@ -262,3 +264,24 @@ def _refusals(compiled: nn.Module) -> dict[str, str]:
         except UsageError as error:
             found[what] = str(error)
     return found
+
+
+def run_foreach_zero(rank: int, world: int, zero: int) -> dict[str, list[float]]:
+    """Three steps of AdamW's foreach kernels (CUDA's default) under data parallelism with
+    ZeRO stage ``zero``, on one process and compiled: the losses of each."""
+    model, inputs, target = make("llama-tiny")
+    mesh = autopar.Mesh((world,), ("dp",), device="cpu")
+    compiled = autopar.compile(
+        copy.deepcopy(model), mesh, example_inputs=inputs, force="dp", zero=zero
+    )
+    losses: dict[str, list[float]] = {}
+    for label, trained in (("single", model), ("compiled", compiled)):
+        optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-2, foreach=True)
+        losses[label] = []
+        for _ in range(3):
+            loss = cross_entropy(trained(*inputs), target)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[label].append(float(loss.detach()))
+    return losses

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from autopar.testing.ranks import run_ranks
-from tests.autopar.runtime.pytorch_tools import run_hf_script, run_script
+from tests.autopar.runtime.pytorch_tools import run_foreach_zero, run_hf_script, run_script
 
 pytestmark = pytest.mark.multirank
 
@@ -108,13 +108,24 @@ def test_a_frozen_parameter_gets_no_gradient_and_the_others_theirs(results, case
 
 
 @pytest.mark.parametrize("case", NAMES)
-def test_a_dcp_checkpoint_resumes_under_another_layout(results, case) -> None:
+def test_a_dcp_checkpoint_resumes_under_another_layout_and_a_foreach_optimizer(
+    results, case
+) -> None:
     result = results[case]
     assert result["resumed_parallelism"] != result["parallelism"]
     continued = [loss for loss, _ in result["steps"][-len(result["resumed"]) :]]
     resumed = [loss for loss, _ in result["resumed"]]
     assert resumed == pytest.approx(continued, abs=TOLERANCE)
     assert result["optimizer_state_is_dtensor"]
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_trains_as_on_one_device_under_a_foreach_optimizer(zero) -> None:
+    # foreach kernels step a DTensor master without bumping its version counter: the
+    # working copies must be gathered again all the same
+    losses = run_ranks(run_foreach_zero, 2, (zero,))[0]
+    assert losses["compiled"] == pytest.approx(losses["single"], abs=TOLERANCE)
+    assert losses["single"][0] != pytest.approx(losses["single"][-1], abs=1e-2)
 
 
 HF_FORCES = ["dp", "tp", "fsdp"]
