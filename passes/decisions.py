@@ -9,7 +9,12 @@ Two reductions (DESIGN.md, "The solver"), both exact:
   ``getitem`` always follows its producer.
 - **Identical layers share one decision.** Each node of a repeated layer takes the decision
   of its representative (``passes.layer_sharing``); the decision's costs are summed over its
-  members.
+  members. A follower's mapping is relative to its producer's decision, so a follower joins
+  its representative only when their producers are represented alike; where they are not
+  (the first layer of a class reads the layer before it, of another class, where the
+  other copies read a copy of their own class) it is regrouped with the copies whose
+  producers match (``Decisions.representatives``), or the copy's sharded input would be
+  priced and lowered as the representative's.
 
 Reads ``NodeChoices`` (``passes.strategies.graph``) and the representatives; writes
 ``Decision`` (one per ILP one-hot variable group) and ``Binding`` (per node: which decision
@@ -60,6 +65,10 @@ class Decisions:
     bindings: dict[str, Binding]
     # placeholder -> the placeholder of the same (tied) parameter that decides for both
     tied: dict[str, str] = field(default_factory=dict)
+    # node -> its representative as the bindings take it: the layers' (``layer_sharing``)
+    # with followers regrouped where their producers are represented differently; what
+    # every sum over identical copies (edge costs, recompute regions) must key on
+    representatives: dict[str, str] = field(default_factory=dict)
 
     def strategy(self, node: str, choice: int) -> Strategy:
         """The strategy ``node`` runs when its decision takes ``choice``."""
@@ -88,13 +97,14 @@ def group_decisions(
     ``tied`` maps a parameter placeholder to another placeholder of the same tensor (export
     may give a tied weight one placeholder per name): both take one decision, one layout.
     """
-    result = Decisions(choices, {}, {}, dict(tied or {}))
+    result = Decisions(choices, {}, {}, dict(tied or {}), dict(representatives))
+    regrouped: dict[tuple[str, tuple[str, ...]], str] = {}
     for name, node in choices.items():
         if name in result.tied:
             result.bindings[name] = result.bindings[result.tied[name]]
             continue
-        rep = representatives.get(name, name)
-        if rep != name and rep in result.bindings:
+        rep = _representative(result, name, regrouped)
+        if rep != name:
             _join_representative(result, name, rep)
             continue
         if node.kind == "getitem":
@@ -114,6 +124,30 @@ def group_decisions(
         result.decisions[name] = Decision(name, node.strategies, [name])
         result.bindings[name] = Binding(name)
     return result
+
+
+def _representative(
+    result: Decisions, name: str, regrouped: dict[tuple[str, tuple[str, ...]], str]
+) -> str:
+    """The node whose binding ``name`` takes (``name`` itself: a binding of its own), and
+    ``result.representatives`` made to say so. A member joins its layer representative's
+    decision whatever its producers (its edges are priced from its own producers); a
+    follower or getitem only when its producers are represented as the representative's
+    are, else the first copy with its producers' representatives leads a group of its own."""
+    reps = result.representatives
+    rep = reps.get(name, name)
+    if rep == name or rep not in result.bindings:
+        return name
+    binding = result.bindings[rep]
+    if binding.mapping is None and binding.source is None:
+        return rep
+    mine = tuple(reps.get(s.producer, s.producer) for s in result.choices[name].inputs)
+    theirs = tuple(reps.get(s.producer, s.producer) for s in result.choices[rep].inputs)
+    if mine == theirs:
+        return rep
+    leader = regrouped.setdefault((rep, mine), name)
+    reps[name] = leader
+    return leader
 
 
 def _join_representative(result: Decisions, name: str, rep: str) -> None:

@@ -225,9 +225,9 @@ def _solve(
     mesh = grouped_mesh(request.mesh, groups)
     request = replace(request, mesh=mesh)
     choices, warnings = graph_choices(traced.graph, mesh.shape)
-    representatives = layer_representatives(traced.graph)
     tied = {node: info.nodes[0] for info in traced.params.values() for node in info.nodes[1:]}
-    decisions = group_decisions(choices, representatives, tied)
+    decisions = group_decisions(choices, layer_representatives(traced.graph), tied)
+    representatives = decisions.representatives
     allowed = allowed_choices(decisions, request.constraints(mesh))
     for decision, ok in allowed.items():
         if not ok:  # no solve can help: say which op, before building any

@@ -380,10 +380,12 @@ def test_no_recompute_hint_against_a_limit_only_recomputation_meets_is_a_conflic
 
 
 def test_a_recompute_hint_on_some_of_identical_layers_is_refused():
-    """Layers 1 and 2 of a 3-layer Llama are one class (layer 0 computes the rotary table):
-    planned together, so a hint takes both or neither."""
-    model, inputs = build("llama-tiny", device="meta", n_layer=3)
+    """Layers 2 and 3 of a 4-layer Llama are one class: planned together, so a hint takes
+    both or neither. (Layer 0 computes the rotary table; layer 1 shares its decisions with
+    2 and 3, but its casts follow layer 0's residual sum where theirs follow a layer of
+    their class, so its region is a class of its own: ``Decisions.representatives``.)"""
+    model, inputs = build("llama-tiny", device="meta", n_layer=4)
     traced = trace(model, inputs)
-    hints = hints_from_text("recompute: [layers.1]\n", "h.yaml")
+    hints = hints_from_text("recompute: [layers.2]\n", "h.yaml")
     with pytest.raises(HintError, match="takes 1 of the 2 identical layers"):
         plan_hinted(traced, MESH, hints, stages=1)
