@@ -23,6 +23,7 @@ training step per device, or bytes per device.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -85,10 +86,29 @@ class ParamCost:
     sync_s: float
     step_s: float = 0.0  # after the optimizer step, exposed: ZeRO's gather of the masters
     optimizer_s: float = 0.0  # the optimizer's step of the piece this device steps
+    # the bucketed calls it joins, whose fixed cost is paid once whoever joins (``SyncCall``)
+    calls: tuple[SyncCall, ...] = ()
 
     @property
     def memory(self) -> float:
         return self.params + self.grads + self.optimizer
+
+
+@dataclass(frozen=True)
+class SyncCall:
+    """The fixed cost (launch and hop latencies) of the first call of a bucket key on one
+    mesh axis: the runtime fills buckets per key (``plans.buckets``: the parameters of one
+    process group and dtype), so it pays a call for every key any parameter joins, however
+    few bytes it holds. Priced as a share of one model-wide bucket's call instead, the few
+    parameters a tensor-parallel plan leaves replicated paid a fraction of the calls the
+    runtime runs whole (the solver's sync on llama-tiny, forced tp on 2x2: 4.5 us against
+    the ledger's three calls, 24 us). The calls after a key's first are shared by bytes
+    (``CostModel.bucketed``). ``overlappable``: a gradient sum in backward, else a gather
+    after the optimizer step (ZeRO's masters)."""
+
+    key: tuple[object, ...]
+    seconds: float
+    overlappable: bool = True
 
 
 @dataclass
@@ -105,6 +125,9 @@ class CostModel:
     # what fills one gradient-sync bucket: DDP's 25 MiB, or the whole model's gradients
     # when they are fewer (``bucketed``)
     bucket_bytes: float = BUCKET_BYTES
+    # the runtime's bucket cap in those bytes (DDP's 25 MiB): how many calls a key's bytes
+    # fill after its first (``bucketed``)
+    bucket_cap: float = BUCKET_BYTES
     # parameter placeholders whose ZeRO working copy is in the compute dtype (mixed
     # precision: those only matmuls read, ``passes.mixed_precision.cast_for_gather``)
     working_cast: frozenset[str] = frozenset()
@@ -227,6 +250,7 @@ class CostModel:
         requires_grad: bool,
         regathered: bool = False,
         param: str = "",
+        output: bool = False,
     ) -> tuple[float, float]:
         """(forward, backward) seconds to bring a tensor from ``src`` to ``dst`` (cached).
 
@@ -235,26 +259,31 @@ class CostModel:
         backward (``autopar.runtime.regather``, as FSDP does), so the backward pays the
         forward's collectives once more. ``param``: the parameter's placeholder, whose
         gather from its own shard the runtime runs with the rest of its FSDP group
-        (``gather_share``)."""
+        (``gather_share``). ``output``: the reshard makes a model output whole, and the
+        all-reduces that end it skip their adjoint (``passes.rewrites.output_boundary``:
+        priced, the logits' all-reduce of a tensor-parallel head was paid twice)."""
         if src == dst:
             return 0.0, 0.0
         found = self.gather_share.get(param)
         share = 1.0 if found is None else found.share
         itemsize = self.wire_itemsize(info, param)
-        key = (info, src, dst, requires_grad, share, itemsize)
+        key = (info, src, dst, requires_grad, share, itemsize, output)
         known = self._edge_cache.get(key)
         if known is None:
-            known = self._edge_time(info, src, dst, requires_grad, share, itemsize)
+            known = self._edge_time(info, src, dst, requires_grad, share, itemsize, output)
             self._edge_cache[key] = known
         if regathered:
             return known[0], known[1] + known[0]
         return known
 
     def wire_itemsize(self, info: TensorInfo, producer: str = "") -> int:
-        """Bytes per element a collective moves of ``info``, made by ``producer``: under
-        autocast, the dtype autocast gives it (``AutocastSaved.output_dtypes``: a residual
-        sum stays fp32, as the runtime moves it); else traced fp32 travels in the compute
-        dtype."""
+        """Bytes per element a collective moves of ``info``, made by ``producer``: a
+        parameter's as the runtime gathers it (``gathered_itemsize``: the solver had priced
+        a norm's gather in bf16, in its cast weights' call); under autocast, the dtype
+        autocast gives it (``AutocastSaved.output_dtypes``: a residual sum stays fp32, as
+        the runtime moves it); else traced fp32 travels in the compute dtype."""
+        if producer in self.gather_share:  # a parameter, moved as the runtime gathers it
+            return gathered_itemsize(self.precision, info.dtype, producer in self.working_cast)
         found = self.autocast_saved
         if found is not None and info.dtype.startswith(("float", "bfloat")):
             dtype = found.output_dtypes.get(producer)
@@ -273,8 +302,15 @@ class CostModel:
         requires_grad: bool,
         share: float,
         itemsize: int,
+        output: bool = False,
     ) -> tuple[float, float]:
         forward, backward = self._reshard_steps(info, src, dst, requires_grad, itemsize)
+        if output:  # the adjoints of the trailing all-reduces, first in backward, are skipped
+            trailing = len(forward) - len(
+                tuple(itertools.dropwhile(lambda s: s.kind == "all_reduce", reversed(forward)))
+            )
+            skipped = len(tuple(itertools.takewhile(lambda s: s.kind == "all_reduce", backward)))
+            backward = backward[min(trailing, skipped) :]
         fwd = self._steps_time(forward, share, 0, "all_gather")
         if not requires_grad:
             return fwd, 0.0
@@ -367,7 +403,9 @@ class CostModel:
         reduce = 0.0
         if backward and backward[-1].kind == "reduce_scatter":
             reduce = self.call_fixed("reduce_scatter", backward[-1].axes)
-        return GroupCallCost(found.group, axes, gather, gather if regathered else 0.0, reduce)
+        itemsize = self.wire_itemsize(info, param)
+        regather = gather if regathered else 0.0
+        return GroupCallCost(found.group, axes, itemsize, gather, regather, reduce)
 
     @cached_property
     def compute_itemsize(self) -> int:
@@ -387,22 +425,60 @@ class CostModel:
     def bucketed(
         self, kind: str, nbytes: float, axes: tuple[int, ...], whole: float | None = None
     ) -> float:
-        """Seconds of one parameter's share of a bucketed collective (gradient sync, ZeRO):
-        a whole bucket's call (``bucket_bytes``) in proportion to its bytes. The runtime
-        sums gradients in DDP's 25 MiB buckets (``plans.buckets``), so it pays a call's
-        fixed cost (launch and hop latencies) once a bucket, not once a parameter (a model
-        of small tensors paid it hundreds of times in the ILP), and the bytes move at a
-        bucket's speed, not a small tensor's (``Link.bandwidth_by_kind``); a model smaller
-        than a bucket pays it once in all. A parameter larger than a bucket is a bucket of
-        its own. ``whole``: the parameter's bytes in the bucket as filled, where a call
-        moves less of it (ZeRO's piece shrinking axis by axis: the bucket shrinks alike, so
-        the parameter's share of the call stays ``whole / bucket_bytes``; priced by the
-        piece's bytes instead, the second axis's call was paid an eighth of on 8x8)."""
+        """Seconds of one parameter's share of a bucketed collective (gradient sync, ZeRO),
+        but the first call's fixed cost of its key (``SyncCall``). The runtime sums
+        gradients in DDP's 25 MiB buckets (``plans.buckets``): the bytes move at a whole
+        bucket's speed (``bucket_bytes``; ``Link.bandwidth_by_kind``), not a small
+        tensor's, and the fixed cost of the calls after a key's first is the parameter's
+        share of a full bucket (``bucket_cap``), at most one call: a parameter larger than
+        a bucket is a bucket of its own (a model of small tensors paid the fixed cost
+        hundreds of times in the ILP when each paid its own). ``whole``: the parameter's
+        bytes in the bucket as filled, where a call moves less of it (ZeRO's piece
+        shrinking axis by axis: the bucket shrinks alike, so the parameter's share of the
+        call stays ``whole / bucket_bytes``; priced by the piece's bytes instead, the
+        second axis's call was paid an eighth of on 8x8)."""
         whole = nbytes if whole is None else whole
-        if nbytes <= 0 or whole >= self.bucket_bytes:
-            return self.mesh_cost.collective(kind, nbytes, axes).time
-        share = whole / self.bucket_bytes
-        return self.mesh_cost.collective(kind, nbytes / share, axes).time * share
+        if nbytes <= 0:
+            return 0.0
+        fixed = self.call_fixed(kind, axes)
+        if whole >= self.bucket_bytes:
+            moving = self.mesh_cost.collective(kind, nbytes, axes).time - fixed
+        else:
+            share = whole / self.bucket_bytes
+            moving = (self.mesh_cost.collective(kind, nbytes / share, axes).time - fixed) * share
+        return moving + fixed * min(whole / self.bucket_cap, 1.0)
+
+    def _sync_calls(
+        self,
+        info: TensorInfo,
+        node: str,
+        replicated: tuple[int, ...],
+        zero_axes: tuple[int, ...],
+        working: int,
+        even: bool,
+    ) -> tuple[SyncCall, ...]:
+        """The bucket keys' first calls a parameter joins, keyed as the runtime fills its
+        buckets (``passes.ledger.gradient_sync_entries``, ``zero_entries``): DDP by the
+        replicated axes and the stored dtype; ZeRO by its axes, the other replicated axes
+        and the working copy's dtype, a parameter that does not split evenly in a bucket of
+        its own."""
+
+        def fixed(kind: str, axis: int) -> float:
+            return self.call_fixed(kind, (axis,))
+
+        if not zero_axes:
+            key = ("ddp", replicated, self.stored_itemsize(info))
+            return tuple(SyncCall((*key, a), fixed("all_reduce", a)) for a in replicated)
+        others = tuple(a for a in replicated if a not in zero_axes)
+        key = ("zero", zero_axes, others, working) if even else ("zero", node)
+        return (
+            *(SyncCall((*key, "all_reduce", a), fixed("all_reduce", a)) for a in others),
+            *(SyncCall((*key, "reduce_scatter", a), fixed("reduce_scatter", a)) for a in zero_axes),
+            *(
+                SyncCall((*key, "all_gather", a), fixed("all_gather", a), overlappable=False)
+                for a in zero_axes
+            ),
+        )
 
     def param_cost(self, info: TensorInfo, layout: Layout, node: str = "") -> ParamCost:
         """Memory and gradient-sync time of a parameter stored in ``layout`` (``node``: its
@@ -413,10 +489,12 @@ class CostModel:
         )
         zero_shard = 1
         zero_axes: tuple[int, ...] = ()
+        even = True
         if self.zero and replicated:
             zero_layout = zero_layout_of(layout, info.shape, self.mesh_shape)
             zero_shard = zero_layout.shard_factor(self.mesh_shape) // shard
             zero_axes = tuple(a for a in replicated if isinstance(zero_layout[a], Shard))
+            even = zero_layout.divides(info.shape, self.mesh_shape)
         zero = self.zero if zero_shard > 1 else 0
         cast = node in self.working_cast
         params, grads, optimizer = param_state_bytes(
@@ -463,6 +541,7 @@ class CostModel:
             sync_s=sync,
             step_s=step,
             optimizer_s=optimizer_step_time(stepped, self.optimizer, master, preset),
+            calls=self._sync_calls(info, node, replicated, zero_axes, working, even),
         )
 
 
@@ -530,24 +609,36 @@ def sync_buckets(params: list[tuple[tuple[int, ...], int]]) -> int:
     return max(len(ddp_buckets(items)), 1)
 
 
+# an FSDP group's call: (group, mesh axes, bytes per gathered value, pass: 0 the forward's
+# gather with the backward's reduce-scatter, 1 the backward's regather)
+CallKey = tuple[str, tuple[int, ...], int, int]
+
+
 @dataclass(frozen=True)
 class GroupCallCost:
     """The fixed seconds of an FSDP group's calls (``CostModel.group_call``): its forward
-    gather, its regather in backward, its reduce-scatter, on ``axes``."""
+    gather, its regather in backward, its reduce-scatter, on ``axes``, of the members
+    gathered ``itemsize`` bytes a value. The runtime gathers a group's members of each
+    dtype in a call of their own (under mixed precision: the cast weights in bf16, the
+    norms in fp32: two calls a layer, which the solver priced as one)."""
 
     group: str
     axes: tuple[int, ...]
+    itemsize: int
     gather: float
     regather: float
     reduce: float
 
-    @property
-    def key(self) -> tuple[str, tuple[int, ...]]:
-        return self.group, self.axes
-
-    @property
-    def seconds(self) -> float:
-        return self.gather + self.regather + self.reduce
+    def calls(self) -> list[tuple[CallKey, float, int]]:
+        """``(key, seconds, pass)`` of each call a member joins: the gather and its
+        reduce-scatter; the regather apart, since the runtime runs it only where a member
+        it gathers is kept for backward (one call for both, a group whose embedding
+        joined it paid the regather of a weight gathered in another layout)."""
+        key = (self.group, self.axes, self.itemsize)
+        found = [((*key, 0), self.gather + self.reduce, 0)]
+        if self.regather:
+            found.append(((*key, 1), self.regather, 1))
+        return found
 
 
 @dataclass(frozen=True)
@@ -558,20 +649,24 @@ class GroupShare:
     share: float
 
 
-def fsdp_group_shares(traced: TracedModel) -> dict[str, GroupShare]:
+def fsdp_group_shares(
+    traced: TracedModel, precision: str = "fp32", cast: frozenset[str] = frozenset()
+) -> dict[str, GroupShare]:
     """Each parameter placeholder's share of its FSDP group's bytes, as
     ``runtime.param_groups`` groups a rank's gathers: a layer's parameters together; those
     outside the layers by whether they are first read before the layers or after. The
     share prices a member's bytes at the bandwidth of the whole group's, as if its other
     members were sharded alike; the group's call's fixed cost is not shared but paid once
     by whichever members join it (``CostModel.group_call``; the runtime's group holds
-    only those gathered over the same mesh axes)."""
+    only those gathered over the same mesh axes), among the members gathered in the same
+    dtype (``gathered_itemsize``; ``cast``: the placeholders whose working copy is in the
+    compute dtype), which the runtime gathers in a call of their own."""
     container = traced.layers
     order = {node.name: i for i, node in enumerate(traced.graph.nodes)}
     first_layer = min(
         (order[n.name] for n in traced.graph.nodes if _layer_of(n) is not None), default=0
     )
-    groups: dict[str, list[tuple[str, float]]] = {}
+    groups: dict[tuple[str, int], list[tuple[str, float]]] = {}
     for name, info in traced.params.items():
         layer = container.index_of(name) if container is not None else None
         if layer is not None:
@@ -580,14 +675,24 @@ def fsdp_group_shares(traced: TracedModel) -> dict[str, GroupShare]:
             users = [u for n in info.nodes for u in _placeholder(traced, n).users]
             first = min((order[u.name] for u in users), default=0)
             key = "before" if first < first_layer else "after"
-        nbytes = float(math.prod(info.shape)) * dtype_itemsize(info.dtype)
-        groups.setdefault(key, []).extend((node, nbytes) for node in info.nodes)
+        itemsize = gathered_itemsize(precision, info.dtype, info.nodes[0] in cast)
+        nbytes = float(math.prod(info.shape)) * itemsize
+        groups.setdefault((key, itemsize), []).extend((node, nbytes) for node in info.nodes)
     shares = {}
-    for key, members in groups.items():
+    for (key, _), members in groups.items():
         total = sum(nbytes for _, nbytes in members)
         for node, nbytes in members:
             shares[node] = GroupShare(key, nbytes / total if total else 1.0)
     return shares
+
+
+def gathered_itemsize(precision: str, dtype: str, cast: bool) -> int:
+    """Bytes per value of a parameter as the runtime gathers it: in the compute dtype where
+    its working copy is cast (a weight only matmuls read, ``passes.mixed_precision``), else
+    as stored (fp32 under mixed precision: norms and embeddings)."""
+    if cast:
+        return precision_policy(precision).param
+    return 2 if precision == "bf16" else dtype_itemsize(dtype)
 
 
 def _layer_of(node: object) -> int | None:

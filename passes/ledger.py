@@ -652,10 +652,10 @@ def hide_overlapped(
     per_pass = sum(e.time_s for e in every) / microbatches
     last = per_pass + sum(e.time_s for e in once)
     exposed = (microbatches - 1) * exposed_gradient_sync(
-        per_pass, backward_s, max(len(every), 1), overlap
+        per_pass, backward_s, _buckets(every), overlap
     )
     if last > 0:
-        buckets = max(len(every) + len(once), 1)
+        buckets = _buckets(overlapped)
         exposed += max(
             exposed_gradient_sync(last, backward_s, buckets, overlap) - overlap * slack_s, 0.0
         )
@@ -665,6 +665,13 @@ def hide_overlapped(
         e.model_copy(update={"exposed_s": e.time_s * share}) if e.overlap == "backward" else e
         for e in entries
     ]
+
+
+def _buckets(entries: list[CommEntry]) -> int:
+    """How many buckets ``entries`` sum: a bucket's calls (one per mesh axis) share its
+    ``what`` and start together, once it is full, so they hide as one (counted per call,
+    one bucket over two axes was taken for two, half of it hidden)."""
+    return max(len({e.what for e in entries}), 1)
 
 
 def by_kind(entries: list[CommEntry]) -> dict[str, float]:

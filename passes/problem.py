@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from passes.annotation import TensorInfo
-from passes.costs import CostModel
+from passes.costs import CallKey, CostModel
 from passes.decisions import Decisions
 from passes.ilp import EdgeTerm, GroupCall, IlpProblem, Matrix, PrefetchLink
 from plans.placement import Layout
@@ -58,7 +58,7 @@ class Prefetched:
 
     edges: dict[int, dict[tuple[int, int], float]] = field(default_factory=dict)
     choices: dict[str, list[float]] = field(default_factory=dict)
-    calls: dict[tuple[str, tuple[int, ...]], float] = field(default_factory=dict)  # fixed cost
+    calls: dict[CallKey, float] = field(default_factory=dict)  # fixed cost
 
 
 @dataclass
@@ -81,7 +81,9 @@ class ProblemParts:
     # consumer keeps for backward, per layer copy (what recomputing the consumer frees)
     kept_copies: dict[tuple[str, int, str, int], KeptCopy] = field(default_factory=dict)
     # (FSDP group, mesh axes) -> the fixed cost of its calls, once a microbatch
-    group_calls: dict[tuple[str, tuple[int, ...]], GroupCall] = field(default_factory=dict)
+    group_calls: dict[CallKey, GroupCall] = field(default_factory=dict)
+    # bucket key and axis -> its first call's fixed cost, once a sync (``costs.SyncCall``)
+    sync_calls: dict[tuple[object, ...], GroupCall] = field(default_factory=dict)
     # what the runtime prefetches (FSDP groups' gathers, ``PrefetchLink``): per (place,
     # pass) the seconds of one copy of the place (``before`` the layers, ``layer3``,
     # ``after``), per edge pair, per choice or per group call; those seconds per edge pair
@@ -211,7 +213,7 @@ def build_problem(
     problem.group_calls = [
         replace(call, cost=microbatches * (call.cost - overlap * hidden_calls[key]))
         for key, call in parts.group_calls.items()
-    ]
+    ] + list(parts.sync_calls.values())  # after the FSDP calls: ``PrefetchLink`` indexes them
     return parts
 
 
@@ -248,6 +250,11 @@ def _node_costs(
                     old[2] + times * pc.optimizer,
                 )
                 parts.sync[name][k] += times * pc.sync_s
+                for call in pc.calls:
+                    joined = parts.sync_calls.setdefault(
+                        call.key, GroupCall(call.seconds, overlappable=call.overlappable)
+                    )
+                    joined.choices[name] = joined.choices.get(name, frozenset()) | {k}
                 parts.after_step[name][k] += times * pc.step_s
                 parts.optimizer_step[name][k] += times * pc.optimizer_s
                 continue
@@ -309,29 +316,31 @@ def _edge_costs(
         memory_m: Matrix = {}
         keeps = keeper.get((producer, index)) == (consumer, i)
         regathered = is_regathered(decisions, producer, consumer, i)
+        output = decisions.choices[consumer].kind == "output"
         casts = cost.autocast_saved is not None and (
             (producer, consumer) in cost.autocast_saved.weight_casts
         )
         cast_m: Matrix = {}
-        joins: dict[tuple[str, tuple[int, ...]], set[tuple[int, int]]] = {}
+        joins: dict[CallKey, set[tuple[int, int]]] = {}
         share = cost.gather_share.get(producer)
         place = None if share is None else share.group
         hide_m: dict[tuple[int, int], tuple[float, float]] = {}  # per pair, one copy
         for p, src in enumerate(left_classes):
             for q, dst in enumerate(right_classes):
                 fwd, bwd = cost.edge_time(
-                    info, src, dst, note.requires_grad, regathered, param=producer
+                    info, src, dst, note.requires_grad, regathered, param=producer, output=output
                 )
                 call = cost.group_call(
                     info, src, dst, note.requires_grad, regathered, param=producer
                 )
                 if call is not None:
-                    joined = parts.group_calls.setdefault(call.key, GroupCall(0.0))
-                    joined.cost = max(joined.cost, times * call.seconds)
-                    joins.setdefault(call.key, set()).add((p, q))
-                    for side, fixed in enumerate((call.gather, call.regather)):
+                    for call_key, seconds, side in call.calls():
+                        joined = parts.group_calls.setdefault(call_key, GroupCall(0.0))
+                        joined.cost = max(joined.cost, times * seconds)
+                        joins.setdefault(call_key, set()).add((p, q))
+                        fixed = call.gather if side == 0 else call.regather  # what prefetch hides
                         held = parts.prefetch.setdefault((call.group, side), Prefetched()).calls
-                        held[call.key] = max(held.get(call.key, 0.0), fixed)
+                        held[call_key] = max(held.get(call_key, 0.0), fixed)
                     parts.copies[call.group] = max(parts.copies.get(call.group, 1), times)
                 if place is not None:
                     gather, regather = cost.prefetched(

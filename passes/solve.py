@@ -238,10 +238,11 @@ def _solve(
     held = 2 if request.precision == "bf16" else 4
     summed = precision_policy(request.precision).grad
     grads = [(info.shape, held) for info in traced.params.values()]
-    bucket = min(BUCKET_BYTES * summed / held, max(gradient_bytes(grads) * summed / held, 1.0))
+    cap = BUCKET_BYTES * summed / held
+    bucket = min(cap, max(gradient_bytes(grads) * summed / held, 1.0))
 
     working_cast = working_cast_nodes(traced, request.precision)
-    gather_share = fsdp_group_shares(traced)
+    gather_share = fsdp_group_shares(traced, request.precision, working_cast)
 
     built_edges: list[tuple[CostModel, ProblemParts]] = []  # resharding terms, shared
 
@@ -253,6 +254,7 @@ def _solve(
             zero,
             batch_scale=request.batch_scale,
             bucket_bytes=bucket,
+            bucket_cap=cap,
             working_cast=working_cast,
             autocast_saved=request.autocast_saved,
             gather_share=gather_share,

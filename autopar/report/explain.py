@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 
 from cost_model.collectives import MeshCost
 from cost_model.hardware import load_preset
-from passes.costs import CostModel
+from passes.costs import CostModel, fsdp_group_shares
 from passes.decisions import Decisions, group_decisions
 from passes.hints import ResolvedHints, forbidden_choices, hint_rules
+from passes.ilp import GroupCall, IlpProblem
 from passes.layer_sharing import layer_representatives
 from passes.mixed_precision import autocast_saved, working_cast_nodes
 from passes.plan_build import expand_layout
@@ -72,9 +73,9 @@ def explain(
     groups = _grouping(plan, mesh)
     solved_mesh = grouped_mesh(mesh, groups)
     choices, _ = graph_choices(traced.graph, solved_mesh.shape)
-    representatives = layer_representatives(traced.graph)
     tied = {n: info.nodes[0] for info in traced.params.values() for n in info.nodes[1:]}
-    decisions = group_decisions(choices, representatives, tied)
+    decisions = group_decisions(choices, layer_representatives(traced.graph), tied)
+    representatives = decisions.representatives
     node, what = _find_target(plan, traced, target)
     chosen = _plan_choices(plan, decisions, groups, mesh)
     microbatches = max(plan.global_batch // _traced_batch(traced), 1)
@@ -83,8 +84,9 @@ def explain(
         plan.optimizer,
         plan.precision,
         _zero_level(plan),
-        working_cast=working_cast_nodes(traced, plan.precision),
+        working_cast=(cast := working_cast_nodes(traced, plan.precision)),
         autocast_saved=autocast_saved(traced, plan.precision),
+        gather_share=fsdp_group_shares(traced, plan.precision, cast),
     )
     limit = (
         plan.memory_limit_bytes * max(plan.parallelism.pp, 1) if plan.memory_limit_bytes else None
@@ -227,6 +229,9 @@ def _option(
         reshard += microbatches * term.cost.get(
             (term.left_class[left], term.right_class[right]), 0.0
         )
+    inline, overlapped = _calls_alone(parts.problem, decision, k, chosen)
+    reshard += inline
+    overlap += overlapped
     strategy = decisions.strategy(node, k)
     note = decisions.choices[node].note
     axes = mesh.axis_names
@@ -245,6 +250,33 @@ def _option(
         ndim = len(note.outputs[0].shape) if note is not None and note.outputs else len(output)
         layout = f"({inputs}) -> {format_spec(output, axes, ndim)}"
     return Option(layout, compute, reshard, overlap, parts.problem.memory[decision][k])
+
+
+def _calls_alone(
+    problem: IlpProblem, decision: str, k: int, chosen: dict[str, int]
+) -> tuple[float, float]:
+    """Seconds of the grouped calls (FSDP groups' gathers, bucket keys' first sums) that
+    choice ``k`` of ``decision`` runs and no other decision's chosen choice does: what
+    taking ``k`` adds, inline and overlappable (a call others run anyway costs it
+    nothing more)."""
+    choice = {**chosen, decision: k}
+    inline = overlapped = 0.0
+    for call in problem.group_calls:
+        if not call.runs(problem, choice):
+            continue
+        ends = {e: (problem.edges[e].left, problem.edges[e].right) for e in call.edges}
+        others = GroupCall(
+            call.cost,
+            {e: m for e, m in call.edges.items() if decision not in ends[e]},
+            {d: m for d, m in call.choices.items() if d != decision},
+        )
+        if others.runs(problem, choice):
+            continue
+        if call.overlappable:
+            overlapped += call.cost
+        else:
+            inline += call.cost
+    return inline, overlapped
 
 
 def _forbidders(

@@ -163,13 +163,14 @@ def layer_costs(
                 producer.note.requires_grad,
                 is_regathered(decisions, source.producer, node.name, i),
             )
-            f, b = cost.edge_time(*reshard, param=source.producer)
+            f, b = cost.edge_time(*reshard, param=source.producer, output=node.op == "output")
             if producer.kind == "param":
                 part.gather_s += f + b
                 call = cost.group_call(*reshard, param=source.producer)
                 if call is not None:
                     runs = calls.setdefault(id(part), {})
-                    runs[call.key] = max(runs.get(call.key, 0.0), call.seconds)
+                    for key, seconds, _ in call.calls():
+                        runs[key] = max(runs.get(key, 0.0), seconds)
                 found = cost.autocast_saved
                 if found is not None and (source.producer, node.name) in found.weight_casts:
                     info = producer.note.outputs[source.index]
