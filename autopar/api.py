@@ -9,6 +9,7 @@ the rank's module.
 from __future__ import annotations
 
 import gc
+import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -27,7 +28,7 @@ from autopar.runtime.precision import check_precision, run_precision
 from passes.pipeline.search import PipelineRequest
 from passes.solve import SolveRequest, no_constraints
 from passes.trace import TracedModel, trace
-from plans.errors import AutoparError, UsageError
+from plans.errors import AutoparError, PlanWarning, UsageError
 from plans.io import load_plan, plan_from_dict
 from plans.mesh import MeshSpec
 from plans.plan import Plan
@@ -55,7 +56,16 @@ def plan(
     ``time_limit`` for the solver; ``name`` for the plan; ``hints`` a GShard-style hint
     file (``docs/hints.md``) whose every hint is a constraint the solver plans around.
     """
-    return _plan(model, mesh, example_inputs, example_kwargs, PlanOptions.of(options))[0]
+    made = _plan(model, mesh, example_inputs, example_kwargs, PlanOptions.of(options))[0]
+    warn_about(made)
+    return made
+
+
+def warn_about(made: Plan, stacklevel: int = 3) -> None:
+    """Each of the plan's warnings through ``warnings.warn`` (``PlanWarning``), pointing at
+    the user's call (``stacklevel``: 3 from ``plan``, 4 through ``compile``'s ``_build``)."""
+    for text in made.warnings:
+        warnings.warn(text, PlanWarning, stacklevel=stacklevel)
 
 
 def _plan(
@@ -306,6 +316,7 @@ def _build(
             )
     else:
         chosen, traced = _plan_on_rank0(model, mesh, args, example_kwargs, options)
+        warn_about(chosen, stacklevel=4)
     schedule_to_run(chosen.parallelism)  # refuse what torch cannot run, before it starts
     if traced is None or (batch and chosen.microbatch_size != batch):
         # the program runs one microbatch: trace at its size (the plan was costed there)

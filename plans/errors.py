@@ -33,3 +33,10 @@ class InfeasiblePlanError(AutoparError):
 
 class HintError(AutoparError):
     """A hint file that does not match the model or the mesh; names file, line and hint."""
+
+
+class PlanWarning(UserWarning):
+    """Something the plan does that the user may not expect (an op replicated for want of a
+    sharding rule, a solve stopped at its time limit): each of ``Plan.warnings``, issued
+    through ``warnings.warn`` when a plan is made, so that ``warnings.filterwarnings``
+    and ``pytest -W error`` see it."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 
 from autopar._version import __version__
@@ -29,6 +30,7 @@ from plans.errors import (
     HintError,
     InfeasiblePlanError,
     PlanFileError,
+    PlanWarning,
     PresetError,
     UntraceableModelError,
     UsageError,
@@ -78,7 +80,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
-        return int(args.run(args))
+        with warnings.catch_warnings():
+            # each command shows the plan's warnings its own way (``plan`` beside the plan,
+            # ``codegen`` a line each), not in Python's file:line form
+            warnings.simplefilter("ignore", PlanWarning)
+            code = int(args.run(args))
+        return code
     except AutoparError as error:
         print(f"autopar {args.command}: error: {error}", file=sys.stderr)
         return exit_code(error)

@@ -9,6 +9,7 @@ a header naming what it receives from the previous stage and sends to the next.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 import autopar
@@ -61,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         }
         given = {k: v for k, v in options.items() if v is not None}
         plan = autopar.plan(model, mesh, inputs, name=name, **given)
+        for warning in plan.warnings:
+            print(f"autopar codegen: warning: {warning}", file=sys.stderr)
     # the program runs one microbatch: trace at its size
     traced = trace(model, microbatch_inputs(inputs, example_batch(inputs), plan.microbatch_size))
     layouts = PlanLayouts(traced, plan)

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -114,6 +114,49 @@ class _Holder(nn.Module):
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         return None
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return _elsewhere(self, name)
+
+
+class _Elsewhere:
+    """A dotted path of the state another pipeline stage holds. ``state_dict()`` has every
+    key on every rank (gathered whole), and torch.distributed.checkpoint's state-dict
+    helpers walk each key's path with ``getattr``; on this rank the path leads here,
+    which holds nothing (``_mark_elsewhere``)."""
+
+    def __init__(self) -> None:
+        self.children: dict[str, _Elsewhere] = {}
+
+    def __getattr__(self, name: str) -> _Elsewhere:
+        try:
+            return self.__dict__["children"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _elsewhere(module: nn.Module, name: str) -> _Elsewhere:
+    """``module``'s child ``name`` among the paths other stages hold, or AttributeError as
+    ``nn.Module`` raises it."""
+    found = module.__dict__.get("_elsewhere")
+    if found is not None and name in found.children:
+        return found.children[name]
+    raise AttributeError(f"{type(module).__name__!r} object has no attribute {name!r}")
+
+
+def _mark_elsewhere(root: nn.Module, paths: Iterable[str]) -> None:
+    """Hang an ``_Elsewhere`` at each dotted path that ``root``'s modules do not hold."""
+    for path in paths:
+        parts = path.split(".")
+        module = root
+        while parts and parts[0] in module._modules:
+            module = module._modules[parts.pop(0)]
+        node = module.__dict__.setdefault("_elsewhere", _Elsewhere())
+        for part in parts:
+            node = node.children.setdefault(part, _Elsewhere())
+
 
 def _set_attr(root: nn.Module, dotted: str, value: Any, kind: str) -> None:
     *path, leaf = dotted.split(".")
@@ -140,6 +183,12 @@ def _share_tree(module: nn.Module, tree: nn.Module) -> None:
 
 class CompiledModel(nn.Module):
     """The user's model, planned and lowered for this rank."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return _elsewhere(self, name)
 
     def __init__(
         self,
@@ -309,6 +358,9 @@ class CompiledModel(nn.Module):
         self._shared_sync.enabled = False
         _share_tree(self, tree)
         if self.pipelined:
+            # the other stages' state, by name (torch.distributed.checkpoint walks its paths)
+            keys = self._state_keys
+            _mark_elsewhere(self, (k for k, kind, src in keys if not self._holds_state(kind, src)))
             self._start_pipeline(traced, whole, modules)
 
     def _start_pipeline(
@@ -988,8 +1040,8 @@ class CompiledModel(nn.Module):
         of the fused weight)."""
         if self.pipelined:
             raise UsageError(
-                "sharded checkpoints of pipeline plans are not supported yet; save "
-                "compiled.state_dict() (whole tensors, gathered on every rank) instead"
+                "save_checkpoint does not take pipeline plans yet; use "
+                "torch.distributed.checkpoint (get_state_dict, then dcp.save), which does"
             )
         for key, kind, source in self._state_keys:
             if kind == "param":

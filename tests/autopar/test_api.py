@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import copy
 import gc
+import warnings
 import weakref
 
 import pytest
+import torch
+from torch import nn
 
 import autopar
 from autopar.testing.ranks import run_ranks
@@ -41,3 +44,38 @@ def test_compile_lets_go_of_the_model_it_was_given():
     result = run_ranks(_model_outlives_compile, 1)[0]
     assert result["compiled_has_weights"]
     assert result["freed"]
+
+
+class _ConvNet(nn.Module):
+    """A convolution, which has no sharding rule yet: its plan says so in a warning."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+def _compile_warnings(rank: int, world_size: int) -> list[tuple[str, str]]:
+    x = torch.randn(4, 3, 8, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        autopar.compile(_ConvNet(), autopar.Mesh((world_size,), ("x",)), example_inputs=(x,))
+    return [(str(w.message), w.filename) for w in caught if w.category is autopar.PlanWarning]
+
+
+def test_a_plans_warnings_are_pythons_warnings_at_the_callers_line():
+    """Each of ``plan.warnings`` goes through ``warnings.warn`` as a ``PlanWarning``, so
+    that a warnings filter (or ``pytest -W error``) sees it, attributed to the user's own
+    call of ``plan`` or ``compile``."""
+    x = torch.randn(4, 3, 8, 8)
+    with pytest.warns(autopar.PlanWarning, match="no sharding rule for aten.conv2d") as planned:
+        plan = autopar.plan(_ConvNet(), autopar.Mesh((2,), ("dp",), device="cpu"), (x,))
+    mine = [w for w in planned if w.category is autopar.PlanWarning]
+    assert [str(w.message) for w in mine] == list(plan.warnings)
+    assert {w.filename for w in mine} == {__file__}
+    for found in run_ranks(_compile_warnings, 2):
+        assert [message for message, _ in found] == list(plan.warnings)
+        assert {filename for _, filename in found} == {__file__}

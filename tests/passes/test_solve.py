@@ -170,7 +170,8 @@ def test_a_solver_time_out_returns_the_best_plan_with_its_gap_and_a_warning(monk
 
     monkeypatch.setattr(solve_module, "solve_ilp", stopped_early)
     model, inputs = build("mlp-tiny")
-    plan = autopar.plan(model, autopar.Mesh((2,), device="cpu"), inputs, time_limit=5)
+    with pytest.warns(autopar.PlanWarning, match="time limit"):
+        plan = autopar.plan(model, autopar.Mesh((2,), device="cpu"), inputs, time_limit=5)
     assert plan.solver.gap == 0.07
     assert any("time limit" in w and "gap 0.07" in w for w in plan.warnings)
 

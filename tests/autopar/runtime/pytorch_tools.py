@@ -285,3 +285,59 @@ def run_foreach_zero(rank: int, world: int, zero: int) -> dict[str, list[float]]
             optimizer.zero_grad()
             losses[label].append(float(loss.detach()))
     return losses
+
+
+def run_pipeline_checkpoint(rank: int, world: int, root: str) -> dict[str, list[float]]:
+    """Train gpt-tiny under a 2-stage pipeline (``train_step``) and under data parallelism,
+    each saving a checkpoint with ``get_state_dict`` and ``dcp.save`` after two steps that
+    the other layout resumes from: the losses of each run, and of one process."""
+    model, inputs, target = make("gpt-tiny")
+    plain = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    losses: dict[str, list[float]] = {"single": []}
+    for _ in range(4):
+        loss = cross_entropy(plain(*inputs), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses["single"].append(float(loss.detach()))
+    layouts = {
+        "pipeline": {"stages": 2, "schedule": "gpipe", "microbatches": 2},
+        "dp": {"stages": 1, "force": "dp"},
+    }
+
+    def compiled(layout: str) -> Any:
+        mesh = autopar.Mesh((world,), ("x",), device="cpu")
+        return autopar.compile(
+            copy.deepcopy(model),
+            mesh,
+            example_inputs=inputs,
+            loss_fn=cross_entropy,
+            **layouts[layout],
+        )
+
+    for saved, resumed in (("pipeline", "dp"), ("dp", "pipeline")):
+        trained = compiled(saved)
+        optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-2)
+        run = losses.setdefault(f"{saved} then {resumed}", [])
+        for _ in range(2):
+            run.append(float(trained.train_step(inputs, target)))
+            optimizer.step()
+            optimizer.zero_grad()
+        path = os.path.join(root, saved)
+        model_state, optim_state = get_state_dict(trained, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+        again = compiled(resumed)
+        optimizer = torch.optim.AdamW(again.parameters(), lr=1e-2)
+        model_state, optim_state = get_state_dict(again, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            again, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        for _ in range(2):
+            run.append(float(again.train_step(inputs, target)))
+            optimizer.step()
+            optimizer.zero_grad()
+        dist.barrier()
+    return losses

@@ -17,7 +17,12 @@ import pytest
 import torch
 
 from autopar.testing.ranks import run_ranks
-from tests.autopar.runtime.pytorch_tools import run_foreach_zero, run_hf_script, run_script
+from tests.autopar.runtime.pytorch_tools import (
+    run_foreach_zero,
+    run_hf_script,
+    run_pipeline_checkpoint,
+    run_script,
+)
 
 pytestmark = pytest.mark.multirank
 
@@ -156,3 +161,14 @@ def test_a_call_with_other_keywords_than_traced_is_refused_with_the_difference(
     assert "missing here: ['labels']" in refused["labels left out"]
     assert "use_cache=True" in refused["another cache setting"]
     assert "use_cache=False" in refused["another cache setting"]
+
+
+def test_a_pipeline_plan_saves_and_resumes_through_dcp(tmp_path) -> None:
+    """A pipeline rank holds its stage's parameters, yet the standard checkpoint API works
+    on it: ``get_state_dict`` and ``dcp.save`` under two pipeline stages resume under data
+    parallelism into the single-device losses, and the other way round."""
+    losses = run_ranks(run_pipeline_checkpoint, 2, (str(tmp_path),))[0]
+    reference = losses.pop("single")
+    assert set(losses) == {"pipeline then dp", "dp then pipeline"}
+    for run in losses.values():
+        assert run == pytest.approx(reference, rel=TOLERANCE, abs=TOLERANCE)
