@@ -23,12 +23,11 @@ training step per device, or bytes per device.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -306,11 +305,8 @@ class CostModel:
     ) -> tuple[float, float]:
         forward, backward = self._reshard_steps(info, src, dst, requires_grad, itemsize)
         if output:  # the adjoints of the trailing all-reduces, first in backward, are skipped
-            trailing = len(forward) - len(
-                tuple(itertools.dropwhile(lambda s: s.kind == "all_reduce", reversed(forward)))
-            )
-            skipped = len(tuple(itertools.takewhile(lambda s: s.kind == "all_reduce", backward)))
-            backward = backward[min(trailing, skipped) :]
+            skipped = min(trailing_all_reduces(forward), trailing_all_reduces(backward[::-1]))
+            backward = backward[skipped:]
         fwd = self._steps_time(forward, share, 0, "all_gather")
         if not requires_grad:
             return fwd, 0.0
@@ -607,6 +603,21 @@ def sync_buckets(params: list[tuple[tuple[int, ...], int]]) -> int:
     make fewer; counting them whole errs toward more hiding."""
     items = [(0, math.prod(shape) * itemsize) for shape, itemsize in reversed(params)]
     return max(len(ddp_buckets(items)), 1)
+
+
+class _Step(Protocol):
+    kind: str
+
+
+def trailing_all_reduces(steps: Sequence[_Step]) -> int:
+    """How many all-reduces end ``steps`` (a reshard's steps or calls): those whose adjoint
+    the output boundary skips (``passes.rewrites.output_boundary``)."""
+    count = 0
+    for step in reversed(steps):
+        if step.kind != "all_reduce":
+            break
+        count += 1
+    return count
 
 
 # an FSDP group's call: (group, mesh axes, bytes per gathered value, pass: 0 the forward's

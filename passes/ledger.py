@@ -40,7 +40,7 @@ from cost_model.collectives import MeshCost
 from cost_model.compute import op_time
 from cost_model.step import exposed_gradient_sync, prefetch_waits
 from passes.annotation import META_KEY
-from passes.costs import CostModel, bucket_copy_bytes, zero_copy_bytes
+from passes.costs import CostModel, bucket_copy_bytes, trailing_all_reduces, zero_copy_bytes
 from passes.from_plan import PlanLayouts
 from passes.mixed_precision import (
     COMPUTE,
@@ -349,12 +349,7 @@ class Walk:
             made = self._value(value.name, whole)
             if made is None or not fresh:
                 continue
-            trailing = 0
-            for call in reversed(made.calls):
-                if call.kind != "all_reduce":
-                    break
-                trailing += 1
-            made.skipped_adjoints = trailing
+            made.skipped_adjoints = trailing_all_reduces(made.calls)
 
     def _value(self, producer: str, want: Layout | None) -> Reshard | None:
         """The reshard of ``producer`` to ``want``, one per (tensor, layout) (None: none

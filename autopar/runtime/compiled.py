@@ -127,7 +127,8 @@ class _Elsewhere:
     helpers walk each key's path with ``getattr``; on this rank the path leads here,
     which holds nothing (``_mark_elsewhere``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str = "") -> None:
+        self.path = path
         self.children: dict[str, _Elsewhere] = {}
 
     def __getattr__(self, name: str) -> _Elsewhere:
@@ -135,6 +136,9 @@ class _Elsewhere:
             return self.__dict__["children"][name]
         except KeyError:
             raise AttributeError(name) from None
+
+    def __repr__(self) -> str:
+        return f"<{self.path}: held by another pipeline stage>"
 
 
 def _elsewhere(module: nn.Module, name: str) -> _Elsewhere:
@@ -149,13 +153,13 @@ def _elsewhere(module: nn.Module, name: str) -> _Elsewhere:
 def _mark_elsewhere(root: nn.Module, paths: Iterable[str]) -> None:
     """Hang an ``_Elsewhere`` at each dotted path that ``root``'s modules do not hold."""
     for path in paths:
-        parts = path.split(".")
-        module = root
-        while parts and parts[0] in module._modules:
-            module = module._modules[parts.pop(0)]
+        names = path.split(".")
+        module, depth = root, 0
+        while depth < len(names) and names[depth] in module._modules:
+            module, depth = module._modules[names[depth]], depth + 1
         node = module.__dict__.setdefault("_elsewhere", _Elsewhere())
-        for part in parts:
-            node = node.children.setdefault(part, _Elsewhere())
+        for end in range(depth + 1, len(names) + 1):
+            node = node.children.setdefault(names[end - 1], _Elsewhere(".".join(names[:end])))
 
 
 def _set_attr(root: nn.Module, dotted: str, value: Any, kind: str) -> None:

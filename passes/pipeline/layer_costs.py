@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from passes.annotation import META_KEY, dtype_itemsize
+from passes.costs import CallKey
 from passes.mixed_precision import autocast_dtypes
 from passes.problem import copy_bytes, first_keepers, is_regathered, sole_keepers
 from passes.recompute import chosen_layers
@@ -123,7 +124,7 @@ def layer_costs(
     sole = sole_keepers(decisions)
     kept_by = first_keepers(decisions)
     # FSDP group calls each part runs, with their fixed cost (once a group: ``group_call``)
-    calls: dict[int, dict[tuple[str, tuple[int, ...]], float]] = {}
+    calls: dict[int, dict[CallKey, float]] = {}
     for node in traced.graph.nodes:
         if node.name not in decisions.bindings or node.op not in ("call_function", "output"):
             continue
