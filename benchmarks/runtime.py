@@ -45,8 +45,9 @@ On 1 rank (one process of one thread, as each of the 4 is): ``autopar.compile`` 
 of one against the eager module, same model.
 
 Each autopar row also gives the plan's predicted step time, next to the measured one, and
-``auto`` is autopar's free choice (no style forced) on the same 4 ranks, measured in the
-same rounds, against the fastest of the PyTorch setups. Plans are made for a preset of
+``auto`` is autopar's free choice (no style forced) on the same 4 ranks, given the loss as
+``pp`` is (``loss_fn``, so that pipelines are among its choices) and stepped by
+``train_step``, measured in the same rounds, against the fastest of the PyTorch setups. Plans are made for a preset of
 this machine when it has one (``autopar calibrate --ranks 4 --name local-cpu-4`` for the 4
 ranks, ``autopar calibrate --ranks 1 --name local-cpu-1`` for the one: a rank runs one
 thread), else the shipped ``cpu`` preset; the record says which. The predicted step is
@@ -55,9 +56,11 @@ meant to be within 25% of the measured (0.75 to 1.25).
 The calibration measures what each of the 4 ranks gets while all 4 run on the 2 cores
 (``cost_model.calibrate``), and fits ``in_step``, how much slower ops run inside a step
 than alone, to a fixed reference step (``cost_model.reference_step``). A rank that waits
-leaves its share of the cores to the others, which the cost model does not see: a
-pipeline's ranks idle in its bubble, so its step runs faster than predicted here (on GPUs,
-a device each, that does not arise); the data-parallel styles keep every rank busy.
+leaves its share of the cores to the others: a pipeline's ranks idle in its bubble, and the
+busy ones run faster meanwhile. The preset records the sharing (``shared_cores``: 4 ranks
+on 2 cores), and the cost model simulates a pipeline's schedule with it
+(``cost_model.schedule``); on GPUs, a device each, it does not arise. The data-parallel
+styles keep every rank busy.
 """
 
 from __future__ import annotations
@@ -362,25 +365,29 @@ def _autopar(model: WithLoss, inputs: tuple, style: str | None, world: int, pres
     elif style == "dp":
         options.update(force="dp", zero=0)  # DDP: the free ZeRO stage is the "zero" rows'
     elif style == "pp":
+        return _autopar_pipeline(model, inputs, mesh, **PIPELINE)
+    elif style == "auto":  # the free choice, given the loss: pipelines among its choices
         return _autopar_pipeline(model, inputs, mesh)
     elif style:
         options["force"] = style
     if style == "tp":  # force="tp" alone lets the batch split on the tp axis too (FSDP-like)
         options["hints"] = {"ban": {"tp": ["data_parallel"]}}
     compiled = autopar.compile(model, mesh, example_inputs=inputs, **options)
-    return Variant.of_module(f"autopar {style or 'auto'}", compiled, inputs, plan=compiled.plan)
+    return Variant.of_module(f"autopar {style or 'none'}", compiled, inputs, plan=compiled.plan)
 
 
-def _autopar_pipeline(model: WithLoss, inputs: tuple, mesh: autopar.Mesh) -> Variant:
-    """The decoder (without its loss) as a pipeline, stepped by ``train_step``."""
+def _autopar_pipeline(
+    model: WithLoss, inputs: tuple, mesh: autopar.Mesh, **options: Any
+) -> Variant:
+    """The decoder compiled with its loss (``loss_fn``, so the plan may be a pipeline),
+    stepped by ``train_step``: the ``pp`` style's options, or none (``auto``)."""
     tokens, targets = inputs
     compiled = autopar.compile(
-        model.model, mesh, example_inputs=(tokens,), loss_fn=_token_loss, **PIPELINE
+        model.model, mesh, example_inputs=(tokens,), loss_fn=_token_loss, **options
     )
     optimizer = adamw(compiled.parameters())
-    return Variant(
-        "autopar pp", lambda: compiled.train_step(tokens, targets), optimizer, compiled.plan
-    )
+    name = "autopar pp" if options else "autopar auto"
+    return Variant(name, lambda: compiled.train_step(tokens, targets), optimizer, compiled.plan)
 
 
 def _run(variants: list[Variant], steps: int, warmup: int) -> None:
@@ -396,7 +403,7 @@ def ranks_work(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     for style in STRATEGIES:
         variants.append(_autopar(copy.deepcopy(model), inputs, style, world, cfg["preset"]))
         variants.append(BASELINES[style](copy.deepcopy(model), inputs, rank, world))
-    variants.append(_autopar(copy.deepcopy(model), inputs, None, world, cfg["preset"]))
+    variants.append(_autopar(copy.deepcopy(model), inputs, "auto", world, cfg["preset"]))
     _run(variants, cfg["steps"], cfg["warmup"])
     return _report(variants)
 
@@ -464,7 +471,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     fastest = min(BASELINE_NAMES.values(), key=lambda name: four[name]["step_s"])
     rows.append(_row("auto", cfg["world_size"], four["autopar auto"], four[fastest], fastest))
     one = combine(single)
-    rows.append(_row("none", 1, one["autopar auto"], one["eager"], "eager"))
+    rows.append(_row("none", 1, one["autopar none"], one["eager"], "eager"))
     return {"config": cfg, "rows": rows, "seconds": time.perf_counter() - start}
 
 

@@ -55,7 +55,14 @@ import torch.utils.flop_counter
 
 from cost_model.collective_bench import PENALTY_COMPUTE_S, SMALLEST, measure_collectives
 from cost_model.flops import cpu_flash_flop_mapping
-from cost_model.hardware import DevicePreset, Efficiency, Link, OpOverhead, load_preset
+from cost_model.hardware import (
+    DevicePreset,
+    Efficiency,
+    Link,
+    OpOverhead,
+    SharedCores,
+    load_preset,
+)
 from cost_model.reference_step import step_runner
 from plans.errors import UsageError
 
@@ -483,7 +490,8 @@ def calibrate(
         notes.append(
             f"one of {ranks} ranks on {cores} cores: every figure measured by {ranks} "
             f"processes at once, {threads} thread(s) each, the median over them; memory "
-            f"divided by {ranks}; the collectives on {ranks} processes"
+            f"divided by {ranks}; the collectives on {ranks} processes; shared_cores: a rank "
+            "that waits (in a pipeline's bubble) leaves its share of the cores to the others"
         )
     if collectives:
         links = _measure_links(device, budget, base, notes, ranks or 1)
@@ -518,6 +526,7 @@ def calibrate(
         ),
         comm_overlap=links.overlap,
         op_rates=figures.op_rates,
+        shared_cores=SharedCores(ranks=ranks, cores=cores) if ranks is not None else None,
         efficiency=Efficiency(compute=1.0, memory=1.0, network=1.0),
     )
     return Calibration(preset, tuple(notes), figures.reference_step_s)

@@ -140,6 +140,29 @@ class Efficiency(_Strict):
     network: float = Field(gt=0, le=1, description="Of link bandwidth (nccl-tests bus bandwidth).")
 
 
+class SharedCores(_Strict):
+    """``ranks`` ranks measured together on ``cores`` cores, one thread each (CPU ranks, more
+    of them than cores: ``autopar calibrate --ranks``).
+
+    The figures of such a preset are what one rank got while all ``ranks`` computed at once,
+    ``min(1, cores / ranks)`` of a core each; with ``k`` computing, each gets
+    ``min(1, cores / k)``: a rank that waits leaves its share to the others.
+    """
+
+    ranks: int = Field(ge=1)
+    cores: float = Field(gt=0)
+
+    def speed(self, busy: int) -> float:
+        """How much faster than measured each of ``busy`` computing ranks runs.
+
+        >>> shared = SharedCores(ranks=4, cores=2)
+        >>> shared.speed(4), shared.speed(3), shared.speed(1)
+        (1.0, 1.3333333333333333, 2.0)
+        """
+        share = min(1.0, self.cores / max(busy, 1))
+        return share / min(1.0, self.cores / self.ranks)
+
+
 class DevicePreset(_Strict):
     """One device type and the node it sits in. All figures per device, in bytes and seconds.
 
@@ -187,6 +210,12 @@ class DevicePreset(_Strict):
         description="The fraction of the communication that may hide behind compute which "
         "compute really hides: 1 where collectives run beside the kernels (NCCL on its own "
         "links), less where they need the cores compute runs on (gloo on a busy CPU).",
+    )
+    shared_cores: SharedCores | None = Field(
+        None,
+        description="Where the figures were measured by several CPU ranks sharing fewer "
+        "cores: the ranks and the cores. A pipeline's devices that wait in its bubble leave "
+        "their cores to the busy ones (``cost_model.schedule``). None: a device each.",
     )
     efficiency: Efficiency
 

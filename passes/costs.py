@@ -41,6 +41,7 @@ from passes.mixed_precision import AutocastSaved
 from passes.strategies.types import Strategy
 from plans.buckets import BUCKET_BYTES, ddp_buckets
 from plans.placement import PARTIAL, REPLICATE, Layout, Partial, Replicate, Shard
+from plans.reshard import LOCAL_KINDS
 
 if TYPE_CHECKING:
     from passes.trace import TracedModel
@@ -162,10 +163,15 @@ class CostModel:
     def _bytes(self, info_dtype: str, nbytes: float) -> float:
         return nbytes * self.activation_scale if info_dtype == "float32" else nbytes
 
-    def op_time(self, note: NodeAnnotation, strategy: Strategy) -> tuple[float, float]:
+    def op_time(
+        self, note: NodeAnnotation, strategy: Strategy, batch: float = 1.0
+    ) -> tuple[float, float]:
         """(forward, backward) seconds of an op under ``strategy``: the roofline time of its
         share of the work, with the host's time to issue it (``DevicePreset.op_overhead``;
-        a view launches no kernel, and costs only where the host's time adds)."""
+        a view launches no kernel, and costs only where the host's time adds). ``batch``:
+        for a microbatch of that many times the traced batch (the pipeline search's
+        smaller microbatches), its FLOPs and bytes scaled alike and each call's measured
+        rate (``op_rates``) and issue time as for that call."""
         preset = self.mesh_cost.preset
         host = preset.op_overhead
         if note.kind == "view":
@@ -174,7 +180,7 @@ class CostModel:
             return host.forward, host.backward if note.requires_grad else 0.0
         dtype = self.compute_dtype
         scale = self.activation_scale
-        split = max(strategy.split, 1)
+        split = max(strategy.split, 1) / batch
         moved = (note.bytes_read + note.bytes_written) * scale / split
         family, call = op_family(note.op), note.fwd_flops / split
         fwd = host.time(op_time(call, moved, dtype, preset, family))
@@ -250,6 +256,7 @@ class CostModel:
         regathered: bool = False,
         param: str = "",
         output: bool = False,
+        batch: float = 1.0,
     ) -> tuple[float, float]:
         """(forward, backward) seconds to bring a tensor from ``src`` to ``dst`` (cached).
 
@@ -260,16 +267,18 @@ class CostModel:
         gather from its own shard the runtime runs with the rest of its FSDP group
         (``gather_share``). ``output``: the reshard makes a model output whole, and the
         all-reduces that end it skip their adjoint (``passes.rewrites.output_boundary``:
-        priced, the logits' all-reduce of a tensor-parallel head was paid twice)."""
+        priced, the logits' all-reduce of a tensor-parallel head was paid twice). ``batch``:
+        an activation of a microbatch of that many times the traced batch (the pipeline
+        search's smaller microbatches), each call timed for its bytes so scaled."""
         if src == dst:
             return 0.0, 0.0
         found = self.gather_share.get(param)
         share = 1.0 if found is None else found.share
         itemsize = self.wire_itemsize(info, param)
-        key = (info, src, dst, requires_grad, share, itemsize, output)
+        key = (info, src, dst, requires_grad, share, itemsize, output, batch)
         known = self._edge_cache.get(key)
         if known is None:
-            known = self._edge_time(info, src, dst, requires_grad, share, itemsize, output)
+            known = self._edge_time(info, src, dst, requires_grad, share, itemsize, output, batch)
             self._edge_cache[key] = known
         if regathered:
             return known[0], known[1] + known[0]
@@ -302,15 +311,33 @@ class CostModel:
         share: float,
         itemsize: int,
         output: bool = False,
+        batch: float = 1.0,
     ) -> tuple[float, float]:
         forward, backward = self._reshard_steps(info, src, dst, requires_grad, itemsize)
         if output:  # the adjoints of the trailing all-reduces, first in backward, are skipped
             skipped = min(trailing_all_reduces(forward), trailing_all_reduces(backward[::-1]))
             backward = backward[skipped:]
+        if batch != 1.0:
+            forward, backward = self._scaled(forward, batch), self._scaled(backward, batch)
         fwd = self._steps_time(forward, share, 0, "all_gather")
         if not requires_grad:
             return fwd, 0.0
         return fwd, self._steps_time(backward, share, len(backward) - 1, "reduce_scatter")
+
+    def _scaled(self, steps: tuple[ReshardStep, ...], batch: float) -> tuple[ReshardStep, ...]:
+        """``steps`` moving ``batch`` times their bytes, each call timed anew (its fixed cost
+        paid whatever its bytes)."""
+        scaled = []
+        for step in steps:
+            if step.kind in LOCAL_KINDS:
+                scaled.append(step)
+                continue
+            result = self.mesh_cost.collective(step.kind, step.nbytes * batch, step.axes)
+            nbytes = step.nbytes * batch
+            scaled.append(
+                ReshardStep(step.kind, step.axes, nbytes, result.time, result.form, result.sent)
+            )
+        return tuple(scaled)
 
     def _reshard_steps(
         self, info: TensorInfo, src: Layout, dst: Layout, requires_grad: bool, itemsize: int

@@ -1,6 +1,6 @@
 """The report's three pictures of a plan, drawn with matplotlib (Agg, no pyplot state).
 
-- ``draw_timeline``: the pipeline timeline (``timeline.simulate``): each device's forward
+- ``draw_timeline``: the pipeline timeline (``cost_model.schedule.simulate``): each device's forward
   and backward of each microbatch; the hatched background left showing is the bubble;
 - ``draw_memory``: memory per device (per stage), stacked params, grads, optimizer states
   and activations, against the memory limit;
@@ -17,8 +17,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from autopar.report.timeline import bubble_fraction, makespan, simulate
 from autopar.report.views import layout_rows, memory_bars, plan_mesh_axes, stage_times
+from cost_model.schedule import idle_fraction, makespan, simulate
 from plans.placement import Partial, Replicate, Shard
 from plans.plan import Plan
 from plans.units import format_bytes, format_seconds
@@ -90,7 +90,7 @@ def draw_timeline(ax: Axes, plan: Plan) -> None:
     )
     # the devices' idle share over the span: the bubble and any imbalance between stages
     # (the plan's "pipeline bubble" is the time the step adds on top of the slowest stage)
-    idle = f"; devices idle {100 * bubble_fraction(tasks, stages):.0f}%" if stages > 1 else ""
+    idle = f"; devices idle {100 * idle_fraction(tasks, stages):.0f}%" if stages > 1 else ""
     ax.set_title(f"Pipeline timeline: {what}{idle}", loc="left", fontsize=11)
     handles = [
         Patch(color=FORWARD, label="forward (microbatch #)"),

@@ -13,18 +13,20 @@ sides (a tied embedding and head) is counted on both: both stages hold a copy.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from passes.annotation import META_KEY, dtype_itemsize
-from passes.costs import CallKey
+from passes.annotation import META_KEY, NodeAnnotation, TensorInfo, dtype_itemsize
+from passes.costs import CallKey, CostModel, SyncCall
 from passes.mixed_precision import autocast_dtypes
 from passes.problem import copy_bytes, first_keepers, is_regathered, sole_keepers
 from passes.recompute import chosen_layers
 from passes.solve import Solved
+from passes.strategies.types import Strategy
 from passes.trace import TracedModel
+from plans.placement import Layout
 
 
 @dataclass(eq=False)  # parts are told apart by identity
@@ -34,6 +36,14 @@ class Part:
     compute_s: float = 0.0  # forward + backward, one microbatch
     forward_s: float = 0.0
     comm_s: float = 0.0  # resharding inside the part, forward + backward, one microbatch
+    # the ops and reshards behind compute_s and comm_s, to cost a smaller microbatch as it
+    # runs (``at``): each op issued and each call launched again per microbatch, small
+    # matmuls at their measured rate
+    ops: list[tuple[NodeAnnotation, Strategy]] = field(default_factory=list)
+    # (tensor, from, to, requires grad, regathered, a model output)
+    edges: list[tuple[TensorInfo, Layout, Layout, bool, bool, bool]] = field(default_factory=list)
+    cost: CostModel | None = None
+    _at: dict[float, tuple[float, float, float]] = field(default_factory=dict)
     # parameter gathers (FSDP) and their adjoints, one microbatch: the same bytes whatever
     # its size, and not hidden (the runtime gathers a parameter when it is used)
     gather_s: float = 0.0
@@ -48,11 +58,64 @@ class Part:
     recompute_s: float = 0.0  # forward run again in backward, one microbatch
     params: dict[str, float] = field(default_factory=dict)  # name -> state bytes
     optimizer_of: dict[str, float] = field(default_factory=dict)  # name -> its step's seconds
+    sync_of: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> sync, step
+    # the bucket keys its parameters' gradient sync joins, each key's first call paid once
+    # by the stage that holds it, however many of its parts join (``costs.SyncCall``)
+    sync_calls: dict[tuple[object, ...], SyncCall] = field(default_factory=dict)
 
     def time_at(self, scale: float) -> float:
-        """Per microbatch of ``scale`` times the traced batch: compute and resharding grow
-        with it, parameter gathers do not."""
-        return (self.compute_s + self.comm_s) * scale + self.gather_s
+        """Per microbatch of ``scale`` times the traced batch: compute and resharding as
+        they run at that size (``at``), parameter gathers as traced (the same bytes)."""
+        return self.compute_at(scale) + self.at(scale)[2] + self.gather_s
+
+    def compute_at(self, scale: float) -> float:
+        """Forward and backward compute of a microbatch of ``scale`` times the traced batch."""
+        forward, backward, _ = self.at(scale)
+        return forward + backward
+
+    def forward_at(self, scale: float) -> float:
+        return self.at(scale)[0]
+
+    def backward_at(self, scale: float) -> float:
+        return self.at(scale)[1]
+
+    def at(self, scale: float) -> tuple[float, float, float]:
+        """(forward, backward, resharding) seconds of a microbatch of ``scale`` times the
+        traced batch: every op and reshard costed at that size (``CostModel.op_time``,
+        ``edge_time`` with ``batch``: an op's issue and a call's launch are paid whatever
+        its size, a small matmul runs at its own rate), recomputation scaled. At ``1``,
+        ``forward_s``, ``compute_s - forward_s`` and ``comm_s``."""
+        if scale == 1.0 or self.cost is None:
+            return (
+                self.forward_s * scale,
+                (self.compute_s - self.forward_s) * scale,
+                self.comm_s * scale,
+            )
+        if scale not in self._at:
+            cost = self.cost
+            forward = backward = comm = 0.0
+            for note, strategy in self.ops:
+                f, b = cost.op_time(note, strategy, batch=scale)
+                forward, backward = forward + f, backward + b
+            for *reshard, output in self.edges:
+                f, b = cost.edge_time(*reshard, output=output, batch=scale)
+                comm += f + b
+            self._at[scale] = (forward, backward + self.recompute_s * scale, comm)
+        return self._at[scale]
+
+
+def first_calls(parts: Iterable[Part]) -> tuple[float, float]:
+    """The fixed costs of the first sync calls of the bucket keys the parts' parameters
+    join, once a key (``costs.SyncCall``): those summed in backward (they join the
+    gradient sync) and those after the optimizer step (ZeRO's gathers of the masters)."""
+    joined: dict[tuple[object, ...], SyncCall] = {}
+    for part in parts:
+        joined.update(part.sync_calls)
+    calls = joined.values()
+    return (
+        sum(c.seconds for c in calls if c.overlappable),
+        sum(c.seconds for c in calls if not c.overlappable),
+    )
 
 
 @dataclass
@@ -73,11 +136,11 @@ def layer_costs(
     (``passes.mixed_precision.autocast_dtypes``)."""
     container = traced.layers
     count = container.count if container else 0
-    parts = [Part() for _ in range(count)]
-    pre, post = Part(), Part()
+    cost = replace(solved.cost, batch_scale=1.0)  # per traced microbatch; the search scales
+    parts = [Part(cost=cost) for _ in range(count)]
+    pre, post = Part(cost=cost), Part(cost=cost)
     first_layer_seen = False
     part_of: dict[str, Part] = {}
-    cost = replace(solved.cost, batch_scale=1.0)  # per traced microbatch; the search scales
     for node in traced.graph.nodes:
         note = node.meta[META_KEY]
         if note.layer is not None and node.op != "placeholder":
@@ -116,7 +179,10 @@ def layer_costs(
                 held[1] + param.grads,
                 held[2] + param.optimizer,
             )
+            part.sync_of[info.name] = (param.sync_s, param.step_s)
             part.sync_s += param.sync_s
+            for call in param.calls:
+                part.sync_calls.setdefault(call.key, call)
             part.step_s += param.step_s
             part.optimizer_s += param.optimizer_s
     decisions = solved.decisions
@@ -138,6 +204,7 @@ def layer_costs(
             fwd, bwd = cost.op_time(note, strategy)
             part.compute_s += fwd + bwd
             part.forward_s += fwd
+            part.ops.append((note, strategy))
             saved = cost.activation_bytes(note, strategy, node.name)
             internal = (
                 cost.saved_bytes(note, strategy, output=False, node=node.name) if saved else 0
@@ -180,6 +247,7 @@ def layer_costs(
                     )
                 continue
             part.comm_s += f + b
+            part.edges.append((*reshard, node.op == "output"))
             if f and i in note.saved_inputs and (source.producer, source.index) not in kept:
                 # backward keeps the resharded copy instead of the tensor itself (once
                 # per tensor: the lowering makes one reshard per tensor and layout)

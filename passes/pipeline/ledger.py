@@ -33,7 +33,8 @@ import math
 import torch
 
 from cost_model.collectives import MeshCost
-from cost_model.step import pipeline_time
+from cost_model.hardware import SharedCores
+from cost_model.schedule import schedule_time
 from passes.annotation import META_KEY
 from passes.ledger import (
     Ledger,
@@ -240,12 +241,17 @@ def with_pipeline_ledger(
     chunks: int,
     optimizer_s: list[float] | None = None,
     overlap: float = 1.0,
+    schedule: str = "1f1b",
+    cores: SharedCores | None = None,
+    replicas: int = 1,
 ) -> Estimate:
     """``estimate`` with its step and communication figures read off a pipeline ledger.
 
     Stage ``s`` takes ``T_s = compute_s[s]`` (one microbatch, fwd + bwd) plus its blocking
     communication per microbatch (reshards, hand-offs); the schedule takes
-    ``cost_model.step.pipeline_time(T, m, v)``. Each stage then adds what stays exposed of
+    ``cost_model.step.pipeline_time(T, m, v)``, or where the devices share cores
+    (``cores``) the simulated schedule's span (``cost_model.schedule.schedule_time``; a
+    stage's ``replicas`` devices compute together). Each stage then adds what stays exposed of
     its gradient sync (in its last microbatch's backward, ``hide_overlapped``; the stages
     before it still run theirs, which hides the rest) and of what runs after the schedule
     (ZeRO's gathers, shared and tied gradient sums, the loss) and its optimizer's step
@@ -255,7 +261,7 @@ def with_pipeline_ledger(
     stages = len(compute_s)
     optimizers = optimizer_s or [0.0] * stages
     priced: list[CommEntry] = []
-    times, after, sent_of = [], [], []
+    times, waits, after, sent_of = [], [], [], []
     for s in range(stages):
         mine = [e for e in entries if e.stage == s]
         mine = hide_overlapped(mine, m, backward_s[s], sum(backward_s[:s]), overlap)
@@ -268,14 +274,16 @@ def with_pipeline_ledger(
             if e.overlap in ("none", "compute") and e.phase != "step"
         )
         times.append(compute_s[s] + blocking / m)
+        waits.append(blocking / m)
         after.append(sum(e.exposed_s for e in mine if e.overlap == "backward" or e.phase == "step"))
         sent_of.append(sum(e.sent_per_step for e in mine))
-    pipeline = pipeline_time(times, m, chunks)
+    forward_s = [c - b for c, b in zip(compute_s, backward_s, strict=True)]
+    pipeline = schedule_time(schedule, m, chunks, forward_s, backward_s, waits, cores, replicas)
     last = max(range(stages), key=lambda s: after[s] + optimizers[s])
     step = pipeline + after[last] + optimizers[last]
     busiest = max(range(stages), key=lambda s: sent_of[s])
     compute = m * max(compute_s)
-    bubble = pipeline - m * max(times)
+    bubble = max(pipeline - m * max(times), 0.0)
     handoffs = [
         sum(e.time_s for e in priced if e.stage == s and e.kind in ("send", "recv")) / m
         for s in range(stages)

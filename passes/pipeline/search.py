@@ -17,7 +17,8 @@ node of a stage upward, are planned on the model traced again at the smallest of
 ``global_batch / b`` microbatches make a step. ``p = 1`` is plain gradient accumulation
 (schedule ``none``), so a pipeline is chosen only when it beats not having one.
 
-Step time of a pipeline (``cost_model.step.pipeline_time``)::
+Step time of a pipeline (``cost_model.step.pipeline_time``; where devices share cores, the
+simulated schedule, ``cost_model.schedule``)::
 
     (sum_s T_s + (m v - 1) max_s T_s) / v + exposed gradient sync
 
@@ -34,12 +35,14 @@ from dataclasses import dataclass, replace
 
 from cost_model.collectives import MeshCost
 from cost_model.compute import peak_flops
+from cost_model.hardware import load_preset
 from cost_model.memory import microbatches_in_flight
-from cost_model.step import exposed_gradient_sync, mfu, pipeline_time
+from cost_model.schedule import schedule_time
+from cost_model.step import exposed_gradient_sync, mfu
 from passes.ilp import solve_ilp
 from passes.ledger import step_ledger, with_ledger
 from passes.mixed_precision import AutocastSaved, autocast_dtypes, autocast_saved
-from passes.pipeline.layer_costs import LayerCosts, Part, layer_costs
+from passes.pipeline.layer_costs import LayerCosts, Part, first_calls, layer_costs
 from passes.pipeline.ledger import pipeline_ledger, with_pipeline_ledger
 from passes.pipeline.stage_cut import StageCut, cut_stages, evaluate_cut
 from passes.plan_build import build_plan
@@ -123,6 +126,7 @@ class Candidate:
     # each stage's states apart, (params, grads, optimizer); empty without a pipeline
     stage_state_terms: tuple[tuple[float, float, float], ...] = ()
     optimizer_s: float = 0.0  # the optimizer's step on the stage that sets the step's end
+    stage_compute: tuple[float, ...] = ()  # forward + backward compute per microbatch
 
     def describe(self) -> Parallelism:
         return Parallelism(
@@ -267,12 +271,23 @@ def _bubble_factor(p: int, sizes: list[int], layers: int, request: PipelineReque
         (sum_s T_s + (m v - 1) max_s T_s) / v  >=  W / p * (1 + (p - 1) / (m v))
 
     least at the most microbatches (the smallest size) and the most chunks any schedule
-    allowed here takes."""
+    allowed here takes.
+
+    Where ``R`` ranks share ``C < R`` cores (``SharedCores``), a busy rank runs faster while
+    others wait in the bubble, but ``k`` busy ranks together never get more than
+    ``min(k, C) R / C`` ranks' measured speed (``SharedCores.speed``), so ``N`` devices
+    take at least ``N C / (min(N, C) R)`` of ``W / p``, which is 1 for ``N = R``."""
     if p == 1:
         return 1.0
     m = request.global_batch // min(sizes)
     v = max(chunks for _, chunks in _schedules(p, layers, request))
-    return 1.0 + (p - 1) / (m * v)
+    factor = 1.0 + (p - 1) / (m * v)
+    mesh = request.solve.mesh
+    shared = load_preset(mesh.device).shared_cores
+    if shared is None or shared.ranks <= shared.cores:
+        return factor
+    n = mesh.size
+    return min(factor, n * shared.cores / (min(n, shared.cores) * shared.ranks))
 
 
 class _Search:
@@ -521,14 +536,16 @@ def _evaluate(
         time = sum(part.time_at(scale) for part in parts)
         states = sum(part.states for part in parts) - _shared_states(costs)
         activations = sum(part.activations for part in parts) * scale
-        sync = sum(part.sync_s for part in parts)
-        backward = (sum(part.compute_s - part.forward_s for part in parts)) * scale
-        after = sum(part.step_s for part in parts)
+        first_sync, first_after = first_calls(parts)
+        shared_sync, shared_after = _shared_sync(costs)
+        sync = sum(part.sync_s for part in parts) - shared_sync + first_sync
+        backward = sum(part.backward_at(scale) for part in parts)
+        after = sum(part.step_s for part in parts) - shared_after + first_after
         optimizer = sum(part.optimizer_s for part in parts) - _shared_optimizer(costs)
         step = m * time + _exposed_sync(sync, backward, 0.0, buckets, passes(m), overlap) + after
         step += optimizer
         memory = states + activations
-        forward = sum(part.forward_s for part in parts) * scale
+        forward = sum(part.forward_at(scale) for part in parts)
         candidate = Candidate(
             1,
             "none",
@@ -549,6 +566,7 @@ def _evaluate(
             sync,
             source,
             optimizer_s=optimizer,
+            stage_compute=(forward + backward,),
         )
         return candidate if limit is None or memory <= limit else (memory, "no pipeline")
     p2p = _p2p_times(costs, mesh_cost, p, scale, chunks)
@@ -563,12 +581,20 @@ def _evaluate(
             return (float("inf"), f"{p} stages, {schedule}") if limit is not None else None
     if limit is not None and max(cut.stage_memory) > limit:
         return (max(cut.stage_memory), f"{p} stages, {schedule}")
-    pipeline = pipeline_time(cut.stage_times, m, chunks)
+    # each stage pays the first call of each bucket key its parameters join
+    firsts = [first_calls(parts) for parts in _stage_parts(costs, cut, p, chunks)]
     syncs = _stage_values(costs, cut, p, chunks, lambda part: part.sync_s)
+    syncs = [sync + first for sync, (first, _) in zip(syncs, firsts, strict=True)]
     afters = _stage_values(costs, cut, p, chunks, lambda part: part.step_s)
+    afters = [after + first for after, (_, first) in zip(afters, firsts, strict=True)]
     optimizers = _stage_values(costs, cut, p, chunks, lambda part: part.optimizer_s)
-    backwards = _stage_values(
-        costs, cut, p, chunks, lambda part: (part.compute_s - part.forward_s) * scale
+    forwards = _stage_values(costs, cut, p, chunks, lambda part: part.forward_at(scale))
+    backwards = _stage_values(costs, cut, p, chunks, lambda part: part.backward_at(scale))
+    # what is not compute in T_s (reshards, gathers, hand-offs) the stage waits for
+    waits = [t - f - b for t, f, b in zip(cut.stage_times, forwards, backwards, strict=True)]
+    shared = mesh_cost.preset.shared_cores
+    pipeline = schedule_time(
+        schedule, m, chunks, forwards, backwards, waits, shared, mesh_cost.mesh.size // p
     )
     # each stage syncs in its last microbatch's backward; the stages before it are still
     # running theirs (the first stage finishes last), which hides what its own does not
@@ -589,7 +615,6 @@ def _evaluate(
     ]
     last = max(range(p), key=lambda s: tails[s])
     step = pipeline + tails[last]
-    forwards = _stage_values(costs, cut, p, chunks, lambda part: part.forward_s * scale)
     terms = [
         _stage_values(costs, cut, p, chunks, lambda part, i=i: part.state_terms[i])  # type: ignore[misc]
         for i in range(3)
@@ -610,11 +635,12 @@ def _evaluate(
         cut.first_layers,
         solved,
         stage_mesh,
-        pipeline - m * max(cut.stage_times),
+        max(pipeline - m * max(cut.stage_times), 0.0),
         max(syncs),
         source,
         tuple(zip(*terms, strict=True)),
         optimizers[last],
+        tuple(f + b for f, b in zip(forwards, backwards, strict=True)),
     )
 
 
@@ -631,6 +657,16 @@ def _exposed_sync(
 def _shared_states(costs: LayerCosts) -> float:
     """States counted in both ``pre`` and ``post`` (a tied weight): once without a pipeline."""
     return sum(costs.pre.params[name] for name in costs.pre.params.keys() & costs.post.params)
+
+
+def _shared_sync(costs: LayerCosts) -> tuple[float, float]:
+    """The gradient sync and after-step gathers of the parameters ``pre`` and ``post``
+    share: once without a pipeline."""
+    shared = costs.pre.sync_of.keys() & costs.post.sync_of.keys()
+    return (
+        sum(costs.pre.sync_of[name][0] for name in shared),
+        sum(costs.pre.sync_of[name][1] for name in shared),
+    )
 
 
 def _shared_optimizer(costs: LayerCosts) -> float:
@@ -694,11 +730,11 @@ def _interleaved_cut(
     return StageCut(firsts, tuple(times), tuple(memory), tuple(states), tuple(acts))
 
 
-def _stage_values(
-    costs: LayerCosts, cut: StageCut, p: int, chunks: int, value: object
-) -> list[float]:
+def _stage_parts(costs: LayerCosts, cut: StageCut, p: int, chunks: int) -> list[list[Part]]:
+    """The parts each device stage runs: its layers (every chunk's, interleaved), the
+    first also ``pre``, the last also ``post``."""
     layers = len(costs.layers)
-    totals = []
+    stages = []
     for s in range(p):
         if chunks > 1:
             per_chunk = layers // (p * chunks)
@@ -711,8 +747,17 @@ def _stage_values(
             parts.append(costs.pre)
         if s == p - 1:
             parts.append(costs.post)
-        totals.append(sum(value(part) for part in parts))  # type: ignore[operator]
-    return totals
+        stages.append(parts)
+    return stages
+
+
+def _stage_values(
+    costs: LayerCosts, cut: StageCut, p: int, chunks: int, value: object
+) -> list[float]:
+    return [
+        sum(value(part) for part in parts)  # type: ignore[operator]
+        for parts in _stage_parts(costs, cut, p, chunks)
+    ]
 
 
 def _nothing_fits(
@@ -786,9 +831,25 @@ def _to_plan(request: PipelineRequest, best: Candidate, others: list[Candidate])
     parallelism = base.parallelism.model_copy(
         update={"pp": p, "schedule": best.schedule, "microbatches": best.microbatches, "chunks": v}
     )
+    # each runner-up labelled by its own stage plan (one per solve, shared by its candidates)
+    labels: dict[int, Parallelism] = {id(best.solved): base.parallelism}
+
+    def label(c: Candidate) -> Parallelism:
+        if id(c.solved) not in labels:
+            labels[id(c.solved)] = build_plan(
+                c.source.traced,
+                c.solved,
+                model=request.model,
+                global_batch=request.global_batch,
+                microbatch_size=c.microbatch_size,
+                memory_limit=request.solve.memory_limit,
+                mesh=c.stage_mesh,
+            ).parallelism
+        return labels[id(c.solved)]
+
     alternatives = tuple(
         Alternative(
-            parallelism=parallelism.model_copy(
+            parallelism=label(c).model_copy(
                 update=c.describe().model_dump(include={"pp", "microbatches", "schedule", "chunks"})
             ),
             step_time_s=c.step_time_s,
@@ -801,9 +862,9 @@ def _to_plan(request: PipelineRequest, best: Candidate, others: list[Candidate])
         planned = base.model_copy(update={"parallelism": parallelism})
         ledger = step_ledger(traced, planned, batch_scale=scale)
         solved = best.solved
-        backward = sum(solved.parts.compute_bwd[d][k] for d, k in solved.choice.items())
+        backward = best.stage_compute[0] - best.stage_forward[0]
         overlap = solved.parts.problem.overlap
-        estimate = with_ledger(estimate, ledger, best.microbatches, backward * scale, overlap)
+        estimate = with_ledger(estimate, ledger, best.microbatches, backward, overlap)
         peak = peak_flops(solved.cost.mesh_cost.preset, solved.cost.compute_dtype) or 1.0
         estimate = estimate.model_copy(
             update={"mfu": mfu(estimate.flops_per_step, estimate.step_time_s, peak, mesh.size)}
@@ -822,10 +883,8 @@ def _to_plan(request: PipelineRequest, best: Candidate, others: list[Candidate])
     if p > 1:  # the figures read off the pipeline's ledger
         costs = layer_costs(traced, best.solved)
         cut = StageCut(best.first_layers, best.stage_times, (), (), ())
-        compute = _stage_values(costs, cut, p, v, lambda part: part.compute_s * scale)
-        backward = _stage_values(
-            costs, cut, p, v, lambda part: (part.compute_s - part.forward_s) * scale
-        )
+        compute = list(best.stage_compute)
+        backward = [c - f for c, f in zip(best.stage_compute, best.stage_forward, strict=True)]
         optimizers = _stage_values(costs, cut, p, v, lambda part: part.optimizer_s)
         entries = pipeline_ledger(traced, plan, batch_scale=scale)
         estimate = with_pipeline_ledger(
@@ -837,6 +896,9 @@ def _to_plan(request: PipelineRequest, best: Candidate, others: list[Candidate])
             v,
             optimizers,
             best.solved.parts.problem.overlap,
+            best.schedule,
+            best.solved.cost.mesh_cost.preset.shared_cores,
+            mesh.size // p,
         )
         peak = peak_flops(best.solved.cost.mesh_cost.preset, best.solved.cost.compute_dtype)
         estimate = estimate.model_copy(
@@ -890,7 +952,9 @@ def _estimate(base: Plan, best: Candidate, mesh: MeshSpec, traced_batch: int) ->
         )
     peak = peak_flops(best.solved.cost.mesh_cost.preset, best.solved.cost.compute_dtype) or 1.0
     compute = (
-        best.microbatches * max(best.stage_times) if best.stages > 1 else old.compute_s * scale
+        best.microbatches * max(best.stage_times)
+        if best.stages > 1
+        else best.microbatches * best.stage_compute[0]
     )
     recompute = sum(region.recompute_s for region in base.recompute) * scale
     return old.model_copy(

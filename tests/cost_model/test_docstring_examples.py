@@ -15,6 +15,7 @@ MODULES = [
     "memory",
     "optimizer",
     "step",
+    "schedule",
     "reference",
 ]
 

@@ -413,3 +413,72 @@ def test_each_stage_estimate_holds_its_hand_offs_apart_from_its_work():
     assert 0 < inside < across
     for stage in plan.estimate.stages:
         assert stage.forward_s > 0 and stage.backward_s > 0
+
+
+def test_ranks_sharing_cores_plan_the_schedule_as_it_runs_on_them(tmp_path, monkeypatch):
+    """The same CPU preset twice, once measured by four ranks on two cores
+    (``shared_cores``, as ``autopar calibrate --ranks 4`` writes it on two cores): each
+    stage's figures are the same, and the step differs by what the schedule gains from the
+    cores its waiting ranks leave (``cost_model.schedule``)."""
+    from cost_model.hardware import PRESET_PATH_ENV, SharedCores, save_preset
+    from cost_model.schedule import schedule_time
+    from cost_model.step import pipeline_time
+
+    cpu = load_preset("cpu")
+    shared = SharedCores(ranks=4, cores=2)
+    save_preset(
+        cpu.model_copy(update={"name": "cpu-shared", "shared_cores": shared}),
+        tmp_path / "cpu-shared.yaml",
+    )
+    monkeypatch.setenv(PRESET_PATH_ENV, str(tmp_path))
+    model, inputs = four_layers(batch=8)
+    options = dict(global_batch=8, stages=4, schedule="1f1b", microbatches=4)
+    plain = autopar.plan(model, autopar.Mesh((4,), device="cpu"), inputs, **options)
+    sharing = autopar.plan(model, autopar.Mesh((4,), device="cpu-shared"), inputs, **options)
+    assert sharing.estimate.stages == plain.estimate.stages
+    stages = plain.estimate.stages
+    forward = [s.forward_s for s in stages]
+    backward = [s.backward_s for s in stages]
+    handoff = [s.handoff_s for s in stages]
+    closed = pipeline_time([f + b + h for f, b, h in zip(forward, backward, handoff)], 4)
+    simulated = schedule_time("1f1b", 4, 1, forward, backward, handoff, shared)
+    assert simulated < closed
+    gained = plain.estimate.step_time_s - sharing.estimate.step_time_s
+    assert gained == pytest.approx(closed - simulated, rel=1e-9)
+
+
+def test_each_runner_up_is_labelled_by_its_own_stage_plan():
+    """Four CPU ranks, where a tiny decoder's runners-up have one and two stages: each is
+    labelled by its own stage plan (data parallel over what the stage has: dp=4 without a
+    pipeline, dp=2 in each of two stages), not by the chosen plan's."""
+    model, (tokens,) = build("llama-tiny", batch_size=8)
+    plan = autopar.plan(model, autopar.Mesh((4,), device="cpu"), (tokens,))
+    seen = set()
+    for alternative in plan.alternatives:
+        p = alternative.parallelism
+        assert p.dp * p.tp * p.mixed * p.pp == 4, p
+        seen.add(p.pp)
+    assert seen == {1, 2}
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt-tiny"])
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_runner_ups_figure_is_the_plan_it_stands_for(name, stages):
+    """The search costs smaller microbatches by scaling the traced one; the plan of a
+    runner-up, made by asking for it, promises what the search said of it. On a CPU,
+    where every op's issue and every call's latency is paid again per microbatch
+    (``CostModel.op_fixed``, ``edge_fixed``), scaling those too had priced two
+    microbatches 8-22% under their plan."""
+    model, (tokens,) = build(name, batch_size=8)
+    mesh = autopar.Mesh((4,), device="cpu")
+    plan = autopar.plan(model, mesh, (tokens,), stages=stages)
+    runners_up = [a for a in plan.alternatives if a.parallelism.microbatches > 1][:3]
+    assert runners_up
+    for alternative in runners_up:
+        wanted = alternative.parallelism
+        options = dict(stages=wanted.pp, microbatches=wanted.microbatches)
+        if wanted.pp > 1:
+            options["schedule"] = wanted.schedule
+        again = autopar.plan(model, mesh, (tokens,), **options)
+        assert again.parallelism == wanted
+        assert again.estimate.step_time_s == pytest.approx(alternative.step_time_s, rel=0.01)
