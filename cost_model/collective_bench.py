@@ -10,9 +10,10 @@ rank 0 reports the median time, the slowest rank's as in nccl-tests, and its bus
 where ``alpha`` is the step latency, a one-value all-reduce's time over its ring steps
 (taken out so the bandwidth of a mid-sized message is not understated). The preset keeps
 the curve, since mid-sized messages reach less than large ones (gloo on 4 processes here:
-0.27 GB/s at 1 MiB, 0.9 at 64 MiB). Each collective runs as autopar's runtime runs it: gloo
-has no reduce-scatter, so there it is an all-reduce of the whole array
-(``autopar.runtime.collectives``), and its bandwidth is that of the array it sums.
+0.27 GB/s at 1 MiB, 0.9 at 64 MiB). Each collective runs as autopar's runtime runs it
+(``autopar.runtime.collectives``), its bandwidth counted in the collective's own bytes: on
+gloo a reduce-scatter is an all-reduce of the whole array, an all-to-all an all-gather of
+every device's whole array.
 
 **Overlap.** An all-reduce of the largest size (``t_c``) and a run of matmuls of about as
 long (``t_m``) are timed apart and then together, the all-reduce launched first without
@@ -128,15 +129,21 @@ def _collectives(nbytes: int, world_size: int, backend: str, device: torch.devic
     shard = torch.ones(numel // world_size, dtype=torch.float32, device=device)
     pieces = [torch.empty_like(shard) for _ in range(world_size)]
     swapped = torch.empty_like(full)
+    if backend == "nccl":
+        return {
+            "all_reduce": lambda: dist.all_reduce(full),
+            "all_gather": lambda: dist.all_gather(pieces, shard),
+            "reduce_scatter": lambda: dist.reduce_scatter(shard, list(full.chunk(world_size))),
+            "all_to_all": lambda: dist.all_to_all_single(swapped, full),
+        }
+    # gloo, as ``autopar.runtime.collectives`` builds what it lacks: a reduce-scatter from
+    # an all-reduce, an all-to-all from an all-gather of every device's whole array
+    wholes = [torch.empty_like(full) for _ in range(world_size)]
     return {
         "all_reduce": lambda: dist.all_reduce(full),
         "all_gather": lambda: dist.all_gather(pieces, shard),
-        "reduce_scatter": (
-            (lambda: dist.reduce_scatter(shard, list(full.chunk(world_size))))
-            if backend == "nccl"
-            else (lambda: dist.all_reduce(full))  # the runtime's reduce-scatter on gloo
-        ),
-        "all_to_all": lambda: dist.all_to_all_single(swapped, full),
+        "reduce_scatter": lambda: dist.all_reduce(full),
+        "all_to_all": lambda: dist.all_gather(wholes, full),
     }
 
 
