@@ -105,3 +105,31 @@ def test_an_op_pays_the_hosts_time_to_issue_it(asynchronous):
         else:
             assert (fwd, bwd) == pytest.approx((kernel_fwd + 10e-6, kernel_bwd + 20e-6))
     assert hosted.op_time(view, one) == ((0.0, 0.0) if asynchronous else (10e-6, 20e-6))
+
+
+def test_a_smaller_microbatch_pays_each_ops_issue_again_and_its_matmuls_run_slower():
+    """``op_time(batch=s)``: the op on ``s`` times the traced batch. On a CPU the host's
+    time to issue it does not shrink with the batch (``fixed + kernel s``); a matmul of
+    fewer FLOPs reaches less of the peak where the preset measured its rates
+    (``op_rates``), so half the batch takes more than half the kernel's time."""
+    from types import SimpleNamespace
+
+    from cost_model.hardware import OpOverhead
+    from passes.annotation import NodeAnnotation, TensorInfo
+
+    cpu = load_preset("cpu")
+    host = OpOverhead(forward=10e-6, backward=20e-6, asynchronous=False)
+    rates = {"matmul": {"float32": [(1e6, 1e9), (1e9, 1e10)]}}
+    preset = cpu.model_copy(update={"op_overhead": host, "op_rates": rates})
+    cost = CostModel(MeshCost(MeshSpec((1,), ("dp",), device="cpu"), preset))
+    one = SimpleNamespace(split=1)
+    out = (TensorInfo((64, 64), "float32"),)
+    add = NodeAnnotation("op", "aten.add.Tensor", out, 0, 0, 2**20, 2**20, requires_grad=True)
+    fwd, bwd = cost.op_time(add, one)
+    half_fwd, half_bwd = cost.op_time(add, one, batch=0.5)
+    assert half_fwd == pytest.approx(10e-6 + (fwd - 10e-6) / 2)
+    assert half_bwd == pytest.approx(20e-6 + (bwd - 20e-6) / 2)
+    mm = NodeAnnotation("op", "aten.mm.default", out, 1e8, 2e8, 2**10, 2**10, requires_grad=True)
+    kernel = cost.op_time(mm, one)[0] - 10e-6
+    half_kernel = cost.op_time(mm, one, batch=0.5)[0] - 10e-6
+    assert kernel / 2 < half_kernel < kernel

@@ -464,11 +464,11 @@ def test_each_runner_up_is_labelled_by_its_own_stage_plan():
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt-tiny"])
 @pytest.mark.parametrize("stages", [1, 2])
 def test_a_runner_ups_figure_is_the_plan_it_stands_for(name, stages):
-    """The search costs smaller microbatches by scaling the traced one; the plan of a
-    runner-up, made by asking for it, promises what the search said of it. On a CPU,
-    where every op's issue and every call's latency is paid again per microbatch
-    (``CostModel.op_fixed``, ``edge_fixed``), scaling those too had priced two
-    microbatches 8-22% under their plan."""
+    """The search costs smaller microbatches from the traced one, op by op at their size;
+    the plan of a runner-up, made by asking for it, promises what the search said of it.
+    On a CPU, where every op's issue and every call's latency is paid again per
+    microbatch, scaling the traced figures had priced two microbatches 8-22% under their
+    plan (``Part.at``)."""
     model, (tokens,) = build(name, batch_size=8)
     mesh = autopar.Mesh((4,), device="cpu")
     plan = autopar.plan(model, mesh, (tokens,), stages=stages)
