@@ -47,11 +47,11 @@ of one against the eager module, same model.
 Each autopar row also gives the plan's predicted step time, next to the measured one, and
 ``auto`` is autopar's free choice (no style forced) on the same 4 ranks, given the loss as
 ``pp`` is (``loss_fn``, so that pipelines are among its choices) and stepped by
-``train_step``, measured in the same rounds, against the fastest of the PyTorch setups. Plans are made for a preset of
-this machine when it has one (``autopar calibrate --ranks 4 --name local-cpu-4`` for the 4
-ranks, ``autopar calibrate --ranks 1 --name local-cpu-1`` for the one: a rank runs one
-thread), else the shipped ``cpu`` preset; the record says which. The predicted step is
-meant to be within 25% of the measured (0.75 to 1.25).
+``train_step``, measured in the same rounds, against the fastest of the PyTorch setups.
+Plans are made for a preset of this machine when it has one (``autopar calibrate --ranks
+4 --name local-cpu-4`` for the 4 ranks, ``autopar calibrate --ranks 1 --name local-cpu-1``
+for the one: a rank runs one thread), else the shipped ``cpu`` preset; the record says
+which. The predicted step is meant to be within 25% of the measured (0.75 to 1.25).
 
 The calibration measures what each of the 4 ranks gets while all 4 run on the 2 cores
 (``cost_model.calibrate``), and fits ``in_step``, how much slower ops run inside a step

@@ -440,7 +440,9 @@ def test_ranks_sharing_cores_plan_the_schedule_as_it_runs_on_them(tmp_path, monk
     forward = [s.forward_s for s in stages]
     backward = [s.backward_s for s in stages]
     handoff = [s.handoff_s for s in stages]
-    closed = pipeline_time([f + b + h for f, b, h in zip(forward, backward, handoff)], 4)
+    closed = pipeline_time(
+        [f + b + h for f, b, h in zip(forward, backward, handoff, strict=True)], 4
+    )
     simulated = schedule_time("1f1b", 4, 1, forward, backward, handoff, shared)
     assert simulated < closed
     gained = plain.estimate.step_time_s - sharing.estimate.step_time_s
