@@ -363,10 +363,11 @@ def test_recompute_hints_force_the_layer_or_the_selective_region(llama):
 
 
 def test_a_recomputing_plans_step_pays_its_recomputation(llama):
-    """The step is its parts: compute, recomputation, exposed communication, bubble and
-    the optimizer's step. The exposed figure the ledger replaces had been read off the
-    step with recomputation inside it, so a plan without a pipeline dropped it (llama3-8b
-    on 1x8: 4.4 s under its plan)."""
+    """The step is its parts: compute apart from recomputation, recomputation, exposed
+    communication, bubble and the optimizer's step. The exposed figure the ledger replaces
+    is what is left of the step after them: read off it with recomputation counted in
+    neither, it had taken the recomputation with it (llama3-8b on 1x8: 4.4 s under its
+    plan); counted in both, the parts exceeded the step."""
     whole = plan_hinted(llama, MESH, hints_from_text("recompute: [layers.*]\n"), stages=1)
     e = whole.estimate
     assert e.recompute_s > 0
