@@ -709,16 +709,9 @@ def _interleaved_cut(
     (Narayanan et al. 2021); the parts before and after the layers on the first and last.
     ``p2p``: each stage's hand-offs per microbatch, all ``v`` rounds and the wrap-around
     (``_p2p_times`` with ``chunks=v``)."""
-    layers = len(costs.layers)
-    per_chunk = layers // (p * v)
+    per_chunk = len(costs.layers) // (p * v)
     times, memory, states, acts = [], [], [], []
-    for s in range(p):
-        mine = [c * per_chunk + i for c in range(s, p * v, p) for i in range(per_chunk)]
-        parts = [costs.layers[layer] for layer in mine]
-        if s == 0:
-            parts.append(costs.pre)
-        if s == p - 1:
-            parts.append(costs.post)
+    for s, parts in enumerate(_stage_parts(costs, None, p, v)):
         held = microbatches_in_flight("interleaved", p, s, m, v)
         state = sum(part.states for part in parts)
         act = held * scale * sum(part.activations for part in parts)
@@ -730,9 +723,9 @@ def _interleaved_cut(
     return StageCut(firsts, tuple(times), tuple(memory), tuple(states), tuple(acts))
 
 
-def _stage_parts(costs: LayerCosts, cut: StageCut, p: int, chunks: int) -> list[list[Part]]:
-    """The parts each device stage runs: its layers (every chunk's, interleaved), the
-    first also ``pre``, the last also ``post``."""
+def _stage_parts(costs: LayerCosts, cut: StageCut | None, p: int, chunks: int) -> list[list[Part]]:
+    """The parts each device stage runs: its layers (interleaved, ``chunks`` equal chunks
+    round the stages; else ``cut``'s), the first also ``pre``, the last also ``post``."""
     layers = len(costs.layers)
     stages = []
     for s in range(p):
@@ -740,6 +733,7 @@ def _stage_parts(costs: LayerCosts, cut: StageCut, p: int, chunks: int) -> list[
             per_chunk = layers // (p * chunks)
             mine = [c * per_chunk + i for c in range(s, p * chunks, p) for i in range(per_chunk)]
         else:
+            assert cut is not None, "a cut without chunks"
             first, last = cut.layers_of(s, layers)
             mine = list(range(first, last + 1))
         parts: list[Part] = [costs.layers[i] for i in mine]
@@ -786,18 +780,24 @@ def _nothing_fits(
     )
 
 
+def _stage_plan(request: PipelineRequest, candidate: Candidate) -> Plan:
+    """The plan of ``candidate``'s intra-op solution on one stage's mesh, at its
+    microbatch (no pipeline yet: ``_to_plan`` adds it)."""
+    return build_plan(
+        candidate.source.traced,
+        candidate.solved,
+        model=request.model,
+        global_batch=request.global_batch,
+        microbatch_size=candidate.microbatch_size,
+        memory_limit=request.solve.memory_limit,
+        mesh=candidate.stage_mesh,
+    )
+
+
 def _to_plan(request: PipelineRequest, best: Candidate, others: list[Candidate]) -> Plan:
     mesh = request.solve.mesh
     traced = best.source.traced
-    base = build_plan(
-        traced,
-        best.solved,
-        model=request.model,
-        global_batch=request.global_batch,
-        microbatch_size=best.microbatch_size,
-        memory_limit=request.solve.memory_limit,
-        mesh=best.stage_mesh,
-    )
+    base = _stage_plan(request, best)
     p, v = best.stages, best.chunks
     layers = traced.layers.count if traced.layers else 0
     container = traced.layers.path if traced.layers else ""
@@ -836,15 +836,7 @@ def _to_plan(request: PipelineRequest, best: Candidate, others: list[Candidate])
 
     def label(c: Candidate) -> Parallelism:
         if id(c.solved) not in labels:
-            labels[id(c.solved)] = build_plan(
-                c.source.traced,
-                c.solved,
-                model=request.model,
-                global_batch=request.global_batch,
-                microbatch_size=c.microbatch_size,
-                memory_limit=request.solve.memory_limit,
-                mesh=c.stage_mesh,
-            ).parallelism
+            labels[id(c.solved)] = _stage_plan(request, c).parallelism
         return labels[id(c.solved)]
 
     alternatives = tuple(
