@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 # imported once by the forkserver, so every rank starts with them; a module that is not
 # installed (transformers is a test dependency) is skipped by the server
 PRELOAD = (
