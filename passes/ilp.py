@@ -49,7 +49,8 @@ Constraints::
         resharding alone, which a pipeline of the plan's stages cannot hide; the
         pipeline search's bound, ``passes.pipeline.search``)
 
-HiGHS (through PuLP's highspy interface) solves it; CBC is the fallback. The status, time,
+HiGHS solves it (``passes.mip``: the model as arrays, given to highspy whole); CBC,
+through PuLP, is the fallback. The status, time,
 gap and problem size are returned, never hidden.
 
 With a cutoff (either) the question is "is there a plan better than the one in hand?".
@@ -64,18 +65,12 @@ and the caller keeps the plan in hand, as when the time limit ends it.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import highspy
-import pulp
-
+from passes.mip import Lin, Mip
 from plans.plan import SolverReport
 
 Matrix = dict[tuple[int, int], float]
@@ -360,8 +355,8 @@ def solve_ilp(
     ``cutoff``, none is faster than it: the solver prunes by it and proves that quickly;
     ``work_cutoff`` bounds the objective less the exposed communication ``t``)."""
     start = time.perf_counter()
-    model = pulp.LpProblem("autopar", pulp.LpMinimize)
-    select: dict[str, list[pulp.LpVariable | float]] = {}
+    model = Mip()
+    select: dict[str, list[Lin | float]] = {}
     n_binary = 0
     for name, count in problem.choices.items():
         allowed = problem.allowed.get(name, set(range(count)))
@@ -369,28 +364,22 @@ def solve_ilp(
             (only,) = allowed if len(allowed) == 1 else (0,)
             select[name] = [1.0 if k == only else 0.0 for k in range(count)]
             continue
-        row = []
+        row: list[Lin | float] = []
         for k in range(count):
             if k in allowed:
-                row.append(model.add_variable(f"s_{len(select)}_{k}", cat=pulp.LpBinary))
+                row.append(model.binary())
                 n_binary += 1
             else:
                 row.append(0.0)
         select[name] = row
-        model += pulp.lpSum(v for v in row if not isinstance(v, float)) == 1
+        model.add(Lin.total(row), 1.0, 1.0)
 
-    objective: list[object] = []
-    for name, row in select.items():
-        for k, value in enumerate(row):
-            coefficient = problem.cost.get(name, [0.0] * len(row))[k]
-            if coefficient:
-                objective.append(coefficient * value)
-
-    n_edge = 0
-    edge_memory: list[object] = []
-    pairs: list[dict[tuple[int, int], object]] = []  # per edge: (p, q) -> its product
+    objective = _per_choice(select, problem.cost)
+    edge_memory = Lin()  # GiB
+    pairs: list[dict[tuple[int, int], Lin | float]] = []  # per edge: (p, q) -> its product
     grouped = {e for call in problem.group_calls for e in call.edges}
     grouped |= {e for link in problem.prefetch for e in link.edges}
+    before_edges = model.num_columns
     for edge in problem.edges:
         pairs.append(
             _add_edge(
@@ -400,157 +389,146 @@ def solve_ilp(
                 select[edge.right],
                 objective,
                 edge_memory,
-                len(pairs),
                 len(pairs) in grouped,
             )
         )
-        n_edge += sum(isinstance(v, pulp.LpVariable) for v in pairs[-1].values())
+    n_edge = model.num_columns - before_edges
     runs_of = []
-    overlapped_calls: list[object] = []
-    for g, call in enumerate(problem.group_calls):
-        runs = model.add_variable(f"g_{g}", lowBound=0, upBound=1)
+    overlapped_calls = Lin()
+    for call in problem.group_calls:
+        runs = model.variable(0.0, 1.0)
         runs_of.append(runs)
         for e, members in call.edges.items():
-            model += runs >= pulp.lpSum(pairs[e][pq] for pq in members)
+            model.at_most(Lin.total(pairs[e][pq] for pq in members), runs)
         for d, chosen in call.choices.items():
-            model += runs >= pulp.lpSum(select[d][k] for k in chosen)
-        (overlapped_calls if call.overlappable else objective).append(call.cost * runs)
+            model.at_most(Lin.total(select[d][k] for k in chosen), runs)
+        (overlapped_calls if call.overlappable else objective).add(runs, call.cost)
     links = problem.prefetch if problem.overlap > 0 else []
     gathers_of = [_link_terms(link, pairs, select, runs_of) for link in links]
     for i, link in enumerate(links):
-        wait = model.add_variable(f"w_{i}", lowBound=0)
-        hiding: object = 0.0
+        wait = model.variable(0.0)
+        seconds = gathers_of[i][0]
         if link.after is not None and link.hiding > 0:
             # the part before hides it only if it gathers too (it launches this gather)
-            launched = model.add_variable(f"y_{i}", lowBound=0, upBound=1)
-            model += launched <= pulp.lpSum(gathers_of[link.after][1])
-            hiding = link.hiding * launched
-        model += wait >= pulp.lpSum(gathers_of[i][0]) - hiding
-        objective.append(problem.overlap * link.weight * wait)
-    exposed = model.add_variable("exposed_comm", lowBound=0)
-    overlap_terms = [
-        coefficient * value
-        for name, row in select.items()
-        for k, value in enumerate(row)
-        if (coefficient := problem.overlappable.get(name, [0.0] * len(row))[k])
-    ] + overlapped_calls
+            launched = model.variable(0.0, 1.0)
+            model.at_most(launched, gathers_of[link.after][1])
+            seconds = seconds.minus(launched.scaled(link.hiding))
+        model.at_most(seconds, wait)
+        objective.add(wait, problem.overlap * link.weight)
+    exposed = model.variable(0.0)
+    overlapped = _per_choice(select, problem.overlappable).add(overlapped_calls)
     # the backward that hides it, at its least (each decision's fastest choice): a constant,
     # so the row couples only the communication choices (with the backward's choices in it,
     # HiGHS took 4x longer on llama3-8b 8x8); the plan's estimate uses the chosen backward
     hiding = sum(min(row) for row in problem.hidden_by.values() if row)
-    overlapped = pulp.lpSum(overlap_terms)
     k = max(problem.buckets, 1)
     hides = problem.overlap * (k - 1) / k  # cost_model.step.exposed_gradient_sync
     if not problem.hide_all:
-        model += exposed >= overlapped - hides * hiding
-        model += exposed >= (1 - hides) * overlapped
-    objective.append(problem.sync_passes * exposed)
+        model.at_most(overlapped.minus(hides * hiding), exposed)
+        model.at_most(overlapped.scaled(1 - hides), exposed)
+    objective.add(exposed, problem.sync_passes)
 
-    saved_terms, recompute_vars = _add_recompute(model, problem, select, pairs, objective)
+    freed, recompute_vars = _add_recompute(model, problem, select, pairs, objective)
 
     if problem.memory_limit is not None:
-        scale = 2.0**30  # GiB keeps the coefficients of one magnitude with the times
-        model += (
-            pulp.lpSum(
-                problem.memory[name][k] / scale * value
-                for name, row in select.items()
-                if name in problem.memory
-                for k, value in enumerate(row)
-                if problem.memory[name][k]
-            )
-            + pulp.lpSum(term / scale for term in edge_memory)
-            - pulp.lpSum(saved_terms)  # already in GiB
-            <= problem.memory_limit / scale
-        )
-    model += pulp.lpSum(objective)
+        memory = _per_choice(select, problem.memory, scale=1 / GIB)
+        memory.add(edge_memory).add(freed, -1.0)
+        model.add(memory, upper=problem.memory_limit / GIB)
+    model.minimize(objective)
     if cutoff is not None:
-        model += pulp.lpSum(objective) <= cutoff
+        model.add(objective, upper=cutoff)
     if work_cutoff is not None:
-        model += pulp.lpSum(objective) - problem.sync_passes * exposed <= work_cutoff
+        model.add(objective.minus(exposed.scaled(problem.sync_passes)), upper=work_cutoff)
 
     beat_this = cutoff is not None or work_cutoff is not None
     give_up = GiveUp(GIVE_UP_FRACTION * time_limit) if beat_this else None
-    _, used = _run(model, time_limit, backend, give_up)
+    result = model.solve(time_limit, backend, {"presolve_rule_off": PROBING}, give_up)
     elapsed = time.perf_counter() - start
-    # (PuLP reports an interrupted solve as feasible even when it has no solution)
     gave_up = give_up is not None and give_up.fired
-    solved = model.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
-    feasible = solved and not gave_up
-    timed_out = not feasible and model.status != pulp.LpStatusInfeasible
+    feasible = result.has_solution and not gave_up
+    timed_out = not feasible and not result.infeasible
     choice: dict[str, int] = {}
+    recompute: dict[str, int] = {}
     if feasible:
         for name, row in select.items():
-            values = [v if isinstance(v, float) else (v.value() or 0.0) for v in row]
+            values = [result.value(v) for v in row]
             choice[name] = max(range(len(values)), key=lambda k: values[k])
-    recompute = (
-        {
-            name: sum(weight for weight, r in digits if (r.value() or 0.0) > 0.5)
+        recompute = {
+            name: sum(weight for weight, r in digits if result.value(r) > 0.5)
             for name, digits in recompute_vars.items()
         }
-        if feasible
-        else {}
-    )
-    objective_value = pulp.value(model.objective) if feasible else None
     report = SolverReport(
-        backend=used,
+        backend=result.backend,
         status=(
             f"gave up: no plan under the cutoff in {GIVE_UP_FRACTION * time_limit:g} s"
             if gave_up
-            else _status_text(model)
+            else result.status
         ),
         time_s=elapsed,
         time_limit_s=time_limit,
         variables=n_binary + n_edge + len(problem.group_calls) + len(problem.prefetch) + 1,
-        constraints=model.numConstraints(),
-        objective=float(objective_value) if objective_value is not None else None,
-        gap=_gap(model, used),
+        constraints=len(model.rows),
+        objective=result.objective if feasible else None,
+        gap=result.gap,
     )
     return IlpSolution(
         choice=choice, report=report, feasible=feasible, timed_out=timed_out, recompute=recompute
     )
 
 
+def _per_choice(
+    select: dict[str, list[Lin | float]], coefficients: dict[str, list[float]], scale: float = 1.0
+) -> Lin:
+    """``scale sum_d sum_k coefficients[d][k] s[d, k]``."""
+    out = Lin()
+    for name, row in select.items():
+        row_coefficients = coefficients.get(name)
+        if row_coefficients:
+            for value, coefficient in zip(row, row_coefficients, strict=True):
+                if coefficient:
+                    out.add(value, scale * coefficient)
+    return out
+
+
 def _add_recompute(
-    model: pulp.LpProblem,
+    model: Mip,
     problem: IlpProblem,
-    select: dict[str, list[pulp.LpVariable | float]],
-    pairs: list[dict[tuple[int, int], object]],
-    objective: list[object],
-) -> tuple[list[object], dict[str, list[tuple[int, pulp.LpVariable]]]]:
-    """Recompute variables (see ``RecomputeTerm``); returns the memory they free and, per
-    region, the binary digits of its count with their weights."""
-    freed: list[object] = []
-    digits: dict[str, list[tuple[int, pulp.LpVariable]]] = {}
+    select: dict[str, list[Lin | float]],
+    pairs: list[dict[tuple[int, int], Lin | float]],
+    objective: Lin,
+) -> tuple[Lin, dict[str, list[tuple[int, Lin]]]]:
+    """Recompute variables (see ``RecomputeTerm``); returns the memory they free (GiB) and,
+    per region, the binary digits of its count with their weights."""
+    freed = Lin()
+    digits: dict[str, list[tuple[int, Lin]]] = {}
     terms = problem.recompute
     if problem.memory_limit is None:
         # recomputing only costs time when memory does not bind: only what hints force
         terms = [term for term in terms if term.forced]
-    for t, term in enumerate(terms):
+    for term in terms:
         parts = _recompute_parts(term, select, pairs)
         digits[term.name] = []
         for bit in range(term.copies.bit_length()):
             weight = 1 << bit
-            r = model.add_variable(f"r_{t}_{bit}", cat=pulp.LpBinary)
-            saving, forward = [], []
-            for i, groups in enumerate(parts):
-                part_saving, part_forward = _times_digit(model, groups, r, f"z_{t}_{bit}_{i}")
-                saving += part_saving
-                forward += part_forward
-            freed.append(weight * pulp.lpSum(saving))
-            objective.append(term.weight * weight * pulp.lpSum(forward))
+            r = model.binary()
+            saving, forward = Lin(), Lin()
+            for groups in parts:
+                _times_digit(model, groups, r, saving, forward)
+            freed.add(saving, weight)
+            objective.add(forward, term.weight * weight)
             digits[term.name].append((weight, r))
-        count = pulp.lpSum(weight * r for weight, r in digits[term.name])
-        model += count <= term.copies
+        count = Lin.total(r.scaled(weight) for weight, r in digits[term.name])
+        model.add(count, upper=term.copies)
         if term.forced is not None:
-            model += count == (term.copies if term.forced else 0)
+            model.equal(count, term.copies if term.forced else 0.0)
     for budget in problem.recompute_budgets:
-        counts = [weight * r for name in budget.regions for weight, r in digits.get(name, [])]
+        counts = [r.scaled(w) for name in budget.regions for w, r in digits.get(name, [])]
         if counts:
-            model += pulp.lpSum(counts) <= budget.copies
+            model.add(Lin.total(counts), upper=budget.copies)
     return freed, digits
 
 
-Groups = dict[tuple[float, float], list[object]]
+Groups = dict[tuple[float, float], list[Lin | float]]
 """A part of a region (a decision, or an edge) as its one-hot members (choice variables,
 or the edge's pair products) by what their choice gives the region: (GiB freed, forward
 seconds). Members a choice cannot take (fixed at 0) are left out."""
@@ -558,8 +536,8 @@ seconds). Members a choice cannot take (fixed at 0) are left out."""
 
 def _recompute_parts(
     term: RecomputeTerm,
-    select: dict[str, list[pulp.LpVariable | float]],
-    pairs: list[dict[tuple[int, int], object]],
+    select: dict[str, list[Lin | float]],
+    pairs: list[dict[tuple[int, int], Lin | float]],
 ) -> list[Groups]:
     """The region's decisions and edges, each as ``Groups``: choices with equal
     coefficients share one hull variable per digit."""
@@ -579,112 +557,106 @@ def _recompute_parts(
     return parts
 
 
-def _add_member(groups: Groups, key: tuple[float, float], member: object) -> None:
+def _add_member(groups: Groups, key: tuple[float, float], member: Lin | float) -> None:
     if not (isinstance(member, float) and member == 0.0):
         groups.setdefault(key, []).append(member)
 
 
-def _times_digit(
-    model: pulp.LpProblem, groups: Groups, r: pulp.LpVariable, name: str
-) -> tuple[list[object], list[object]]:
-    """The GiB freed and the forward seconds of one part times a digit ``r`` (module
-    docstring): ``sum_g c_g z_g`` and ``sum_g f_g z_g`` with ``z_g <= sum of g's members``
-    and ``sum_g z_g = r``, which is ``r`` times the chosen group's ``c, f`` when the choice
-    is whole, and their convex hull when it is not."""
+def _times_digit(model: Mip, groups: Groups, r: Lin, saving: Lin, forward: Lin) -> None:
+    """Add the GiB freed and the forward seconds of one part times a digit ``r`` (module
+    docstring) to ``saving`` and ``forward``: ``sum_g c_g z_g`` and ``sum_g f_g z_g`` with
+    ``z_g <= sum of g's members`` and ``sum_g z_g = r``, which is ``r`` times the chosen
+    group's ``c, f`` when the choice is whole, and their convex hull when it is not."""
     if len(groups) == 1:  # one outcome, whichever member is chosen (or a fixed choice)
         ((c, f),) = groups
-        return ([c * r] if c else []), ([f * r] if f else [])
-    saving, forward, shares = [], [], []
-    for g, ((c, f), members) in enumerate(groups.items()):
-        z = model.add_variable(f"{name}_{g}", lowBound=0)
-        model += z <= pulp.lpSum(members)
-        shares.append(z)
-        if c:
-            saving.append(c * z)
-        if f:
-            forward.append(f * z)
-    model += pulp.lpSum(shares) == r
-    return saving, forward
+        saving.add(r, c)
+        forward.add(r, f)
+        return
+    shares = Lin()
+    for (c, f), members in groups.items():
+        z = model.variable(0.0)
+        model.at_most(z, Lin.total(members))
+        shares.add(z)
+        saving.add(z, c)
+        forward.add(z, f)
+    model.equal(shares, r)
 
 
 def _link_terms(
     link: PrefetchLink,
-    pairs: list[dict[tuple[int, int], object]],
-    select: dict[str, list[pulp.LpVariable | float]],
-    runs_of: list[pulp.LpVariable],
-) -> tuple[list[object], list[object]]:
-    """A link's gather seconds ``G`` as terms, and the indicators of its members that
-    gather (their sum is at least 1 when it gathers at all). A group call's ``g`` is no
-    indicator: bounded only from below, with its fixed cost taken off where the prefetch
-    hides it, the solver could raise it for free to launch the next gather (gpt on 4 cpu
-    ranks: FSDP for one layer, its gathers hidden behind a layer that gathers nothing, 0.89
-    of the ledger's step); the members that run it are indicators already."""
-    seconds: list[object] = []
-    indicators: list[object] = []
+    pairs: list[dict[tuple[int, int], Lin | float]],
+    select: dict[str, list[Lin | float]],
+    runs_of: list[Lin],
+) -> tuple[Lin, Lin]:
+    """A link's gather seconds ``G``, and the sum of the indicators of its members that
+    gather (at least 1 when it gathers at all). A group call's ``g`` is no indicator:
+    bounded only from below, with its fixed cost taken off where the prefetch hides it,
+    the solver could raise it for free to launch the next gather (gpt on 4 cpu ranks: FSDP
+    for one layer, its gathers hidden behind a layer that gathers nothing, 0.89 of the
+    ledger's step); the members that run it are indicators already."""
+    seconds, indicators = Lin(), Lin()
     for e, members in link.edges.items():
         for pq, value in members.items():
-            seconds.append(value * pairs[e][pq])
-            indicators.append(pairs[e][pq])
+            seconds.add(pairs[e][pq], value)
+            indicators.add(pairs[e][pq])
     for d, row in link.choices.items():
         for k, value in enumerate(row):
             if value:
-                seconds.append(value * select[d][k])
-                indicators.append(select[d][k])
+                seconds.add(select[d][k], value)
+                indicators.add(select[d][k])
     for g, value in link.calls.items():
-        seconds.append(value * runs_of[g])
+        seconds.add(runs_of[g], value)
     return seconds, indicators
 
 
 def _add_edge(
-    model: pulp.LpProblem,
+    model: Mip,
     edge: EdgeTerm,
-    left: list[pulp.LpVariable | float],
-    right: list[pulp.LpVariable | float],
-    terms: list[object],
-    memory: list[object],
-    index: int,
+    left: list[Lin | float],
+    right: list[Lin | float],
+    objective: Lin,
+    memory: Lin,
     grouped: bool = False,
-) -> dict[tuple[int, int], object]:
-    """Add one edge's class variables and marginal constraints, its cost terms to ``terms``
-    and its memory terms to ``memory``; returns each class pair's product (a variable, or
+) -> dict[tuple[int, int], Lin | float]:
+    """Add one edge's class variables and marginal constraints, its cost to ``objective``
+    and its memory (GiB) to ``memory``; returns each class pair's product (a variable, or
     an expression when one side is fixed). ``grouped``: a group call reads its pairs."""
     if not grouped and not any(edge.cost.values()) and not any(edge.memory.values()):
         return {}
-    left_sum: dict[int, list[pulp.LpVariable | float]] = {}
-    right_sum: dict[int, list[pulp.LpVariable | float]] = {}
+    left_sum: dict[int, list[Lin | float]] = {}
+    right_sum: dict[int, list[Lin | float]] = {}
     for k, p in enumerate(edge.left_class):
         left_sum.setdefault(p, []).append(left[k])
     for m, q in enumerate(edge.right_class):
         right_sum.setdefault(q, []).append(right[m])
     constant_left = all(isinstance(v, float) for v in left)
     constant_right = all(isinstance(v, float) for v in right)
-    pairs: dict[tuple[int, int], object] = {}
+    pairs: dict[tuple[int, int], Lin | float] = {}
     if constant_left or constant_right:
         # one side is fixed: the pair is linear in the other side's choice
         for p, lefts in left_sum.items():
             for q, rights in right_sum.items():
-                left_value = sum(lefts) if constant_left else pulp.lpSum(lefts)
-                right_value = sum(rights) if constant_right else pulp.lpSum(rights)
                 if constant_left and constant_right:
-                    pairs[(p, q)] = left_value * right_value
-                elif constant_left:
-                    pairs[(p, q)] = left_value * right_value if left_value else 0.0
-                else:
-                    pairs[(p, q)] = right_value * left_value if right_value else 0.0
+                    pairs[(p, q)] = float(sum(lefts)) * float(sum(rights))  # type: ignore[arg-type]
+                    continue
+                fixed = float(sum(lefts if constant_left else rights))  # type: ignore[arg-type]
+                pairs[(p, q)] = (
+                    Lin.total(rights if constant_left else lefts, fixed) if fixed else 0.0
+                )
     else:
         for p in left_sum:
             for q in right_sum:
-                pairs[(p, q)] = model.add_variable(f"e_{index}_{p}_{q}", lowBound=0)
+                pairs[(p, q)] = model.variable(0.0)
         for p, members in left_sum.items():
-            model += pulp.lpSum(pairs[(p, q)] for q in right_sum) == pulp.lpSum(members)
+            model.equal(Lin.total(pairs[(p, q)] for q in right_sum), Lin.total(members))
         for q, members in right_sum.items():
-            model += pulp.lpSum(pairs[(p, q)] for p in left_sum) == pulp.lpSum(members)
+            model.equal(Lin.total(pairs[(p, q)] for p in left_sum), Lin.total(members))
     for pq, cost in edge.cost.items():
         if cost:
-            terms.append(cost * pairs[pq])
+            objective.add(pairs[pq], cost)
     for pq, extra in edge.memory.items():
         if extra:
-            memory.append(extra * pairs[pq])
+            memory.add(pairs[pq], extra / GIB)
     return pairs
 
 
@@ -706,78 +678,3 @@ class GiveUp:
         if out.running_time > self.seconds and not math.isfinite(out.mip_primal_bound):
             into.user_interrupt = True
             self.fired = True
-
-
-def _run(
-    model: pulp.LpProblem, time_limit: float, backend: str, give_up: GiveUp | None = None
-) -> tuple[str, str]:
-    """Solve with HiGHS, falling back to CBC; returns (PuLP status, backend used)."""
-    order = ["highs", "cbc"] if backend == "highs" else ["cbc", "highs"]
-    last_error: Exception | None = None
-    for name in order:
-        solver = (
-            pulp.HiGHS(
-                msg=False,
-                timeLimit=time_limit,
-                presolve_rule_off=PROBING,
-                **_give_up_options(give_up),
-            )
-            if name == "highs"
-            else pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit)
-        )
-        if not solver.available():
-            continue
-        try:
-            with quiet_stdout():
-                status = model.solve(solver)
-        except pulp.PulpSolverError as error:
-            last_error = error
-            continue
-        return pulp.LpStatus[status], name
-    raise RuntimeError(f"no ILP solver could run (HiGHS, CBC): {last_error}")
-
-
-@contextlib.contextmanager
-def quiet_stdout() -> Iterator[None]:
-    """HiGHS prints a banner from C++ when first created; keep the user's terminal clean."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(devnull)
-
-
-def _status_text(model: pulp.LpProblem) -> str:
-    if model.sol_status == pulp.LpSolutionOptimal:
-        return "optimal"
-    if model.sol_status == pulp.LpSolutionIntegerFeasible:
-        return "feasible (time limit; best found)"
-    if model.status == pulp.LpStatusInfeasible:
-        return "infeasible"
-    return pulp.LpStatus.get(model.status, "unknown").lower()
-
-
-def _gap(model: pulp.LpProblem, backend: str) -> float | None:
-    if model.sol_status == pulp.LpSolutionOptimal:
-        return 0.0
-    solver_model = getattr(model, "solverModel", None)
-    if backend == "highs" and solver_model is not None:
-        try:
-            return float(solver_model.getInfo().mip_gap)
-        except AttributeError:
-            return None
-    return None
-
-
-def _give_up_options(give_up: GiveUp | None) -> dict[str, Any]:
-    if give_up is None:
-        return {}
-    return {
-        "callbackTuple": (give_up, None),
-        "callbacksToActivate": [highspy.cb.HighsCallbackType.kCallbackMipInterrupt],
-    }

@@ -17,6 +17,7 @@ serves the calling process's later calls.
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import os
 import socket
@@ -58,6 +59,9 @@ def _entry(
     os.environ.update(environ)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    # what the forkserver imported is never garbage: a full collection (compile runs one)
+    # then walks only what the work makes, 0.05 s instead of 0.25-0.6 s
+    gc.freeze()
     path = os.path.join(outdir, f"rank{rank}.pt")
     try:
         dist.init_process_group(

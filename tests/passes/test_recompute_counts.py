@@ -17,7 +17,6 @@ import math
 from dataclasses import replace
 from functools import partial
 
-import pulp
 import pytest
 
 import autopar
@@ -34,6 +33,7 @@ from passes.ilp import (
     _times_digit,
     solve_ilp,
 )
+from passes.mip import Lin, Mip
 from passes.recompute import Region, chosen_layers, recompute_budgets
 from passes.solve import SolveRequest, solve_sharding
 from passes.trace import trace
@@ -422,16 +422,16 @@ def test_a_fraction_of_a_recomputed_copy_frees_that_fraction_of_its_own_saving(c
     strategy's saving. (The big-M form before it freed up to half the largest saving at
     no time at all, so a relaxed plan fitted the memory limit almost for free.)"""
     term = RecomputeTerm("r", "full", 1, {"a": [64 * GIB, GIB]}, {"a": [6.4, 0.1]})
-    model = pulp.LpProblem("hull", pulp.LpMaximize)
-    select = [
-        model.add_variable(f"s_{k}", lowBound=int(k == chosen), upBound=int(k == chosen))
-        for k in range(2)
+    model = Mip()
+    select: list[Lin | float] = [
+        model.variable(float(k == chosen), float(k == chosen)) for k in range(2)
     ]
-    r = model.add_variable("r", lowBound=0.5, upBound=0.5)
+    r = model.variable(0.5, 0.5)
     (groups,) = _recompute_parts(term, {"a": select}, [])
-    saving, forward = _times_digit(model, groups, r, "z")
+    saving, forward = Lin(), Lin()
+    _times_digit(model, groups, r, saving, forward)
     for sense, expected in ((1, 0.5 * [64, 1][chosen]), (-1, 0.5 * [64, 1][chosen])):
-        model.setObjective(sense * pulp.lpSum(saving))
-        model.solve(pulp.HiGHS(msg=False))
-        assert pulp.value(pulp.lpSum(saving)) == pytest.approx(expected)  # GiB
-        assert pulp.value(pulp.lpSum(forward)) == pytest.approx(0.5 * [6.4, 0.1][chosen])
+        model.minimize(saving.scaled(-sense))  # the most, then the least, it could free
+        result = model.solve(time_limit=10.0)
+        assert result.value(saving) == pytest.approx(expected)  # GiB
+        assert result.value(forward) == pytest.approx(0.5 * [6.4, 0.1][chosen])

@@ -1,0 +1,324 @@
+"""A mixed-integer linear program held as arrays, the form HiGHS reads, and its solve.
+
+``passes.ilp`` writes the planner's ILP term by term. Written through PuLP's expression
+algebra, building it took longer than HiGHS took to solve it (llama-tiny over 8 devices:
+260,000 pair variables, each a named Python object, each product of a coefficient and a
+variable a new expression): here a variable is a column index and an expression a dict
+from column to coefficient, and the model goes to HiGHS as one sparse matrix. CBC, the
+fallback, gets the same model through PuLP.
+
+>>> m = Mip()
+>>> x, y = m.binary(), m.binary()
+>>> m.add(Lin.total([x, y]), lower=1.0)               # x + y >= 1
+>>> m.minimize(Lin.total([x.scaled(2.0), y.scaled(3.0)]))
+>>> result = m.solve(time_limit=10.0)
+>>> result.status, result.objective, result.value(x), result.value(y)
+('optimal', 2.0, 1.0, 0.0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import highspy
+
+INF = math.inf
+
+
+class Lin:
+    """``sum_i terms[i] x_i + constant``: a linear expression over a ``Mip``'s columns."""
+
+    __slots__ = ("constant", "terms")
+
+    def __init__(self, terms: dict[int, float] | None = None, constant: float = 0.0) -> None:
+        self.terms = terms if terms is not None else {}
+        self.constant = constant
+
+    @staticmethod
+    def total(items: Iterable[Lin | float], scale: float = 1.0) -> Lin:
+        """``scale`` times the sum of ``items`` (expressions, or numbers)."""
+        out = Lin()
+        for item in items:
+            out.add(item, scale)
+        return out
+
+    def add(self, other: Lin | float, scale: float = 1.0) -> Lin:
+        """``self += scale * other`` (in place); returns ``self``."""
+        if isinstance(other, Lin):
+            terms = self.terms
+            for column, coefficient in other.terms.items():
+                terms[column] = terms.get(column, 0.0) + scale * coefficient
+            self.constant += scale * other.constant
+        else:
+            self.constant += scale * other
+        return self
+
+    def scaled(self, scale: float) -> Lin:
+        """``scale * self`` as a new expression."""
+        return Lin({c: scale * v for c, v in self.terms.items()}, scale * self.constant)
+
+    def minus(self, other: Lin | float) -> Lin:
+        """``self - other`` as a new expression."""
+        return Lin(dict(self.terms), self.constant).add(other, -1.0)
+
+    def is_constant(self) -> bool:
+        return not any(self.terms.values())
+
+
+def constant_of(item: Lin | float) -> float | None:
+    """The value of ``item`` when it has no variable in it, else None."""
+    if isinstance(item, Lin):
+        return item.constant if item.is_constant() else None
+    return float(item)
+
+
+@dataclass
+class MipResult:
+    """What a solve found: ``status`` in words, whether it has a solution, the values."""
+
+    status: str
+    has_solution: bool
+    infeasible: bool
+    objective: float | None
+    gap: float | None
+    backend: str
+    values: list[float]
+
+    def value(self, item: Lin | float) -> float:
+        """``item`` at the solution."""
+        if not isinstance(item, Lin):
+            return float(item)
+        return item.constant + sum(v * self.values[c] for c, v in item.terms.items())
+
+
+class Mip:
+    """Columns (bounds, integrality) and rows (bounds, sparse coefficients) in lists; an
+    objective to minimise."""
+
+    def __init__(self) -> None:
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        self.integer: list[bool] = []
+        self.rows: list[tuple[float, float, dict[int, float]]] = []
+        self.objective = Lin()
+
+    @property
+    def num_columns(self) -> int:
+        return len(self.lower)
+
+    def variable(self, lower: float = 0.0, upper: float = INF, integer: bool = False) -> Lin:
+        self.lower.append(lower)
+        self.upper.append(upper)
+        self.integer.append(integer)
+        return Lin({len(self.lower) - 1: 1.0})
+
+    def binary(self) -> Lin:
+        return self.variable(0.0, 1.0, integer=True)
+
+    def add(self, expression: Lin, lower: float = -INF, upper: float = INF) -> None:
+        """The row ``lower <= expression <= upper`` (its constant moved to the bounds)."""
+        terms = {c: v for c, v in expression.terms.items() if v}
+        self.rows.append((lower - expression.constant, upper - expression.constant, terms))
+
+    def equal(self, left: Lin, right: Lin | float) -> None:
+        """The row ``left == right``."""
+        self.add(left.minus(right), 0.0, 0.0)
+
+    def at_most(self, left: Lin, right: Lin | float) -> None:
+        """The row ``left <= right``."""
+        self.add(left.minus(right), upper=0.0)
+
+    def minimize(self, objective: Lin) -> None:
+        self.objective = objective
+
+    def solve(
+        self,
+        time_limit: float,
+        backend: str = "highs",
+        options: dict[str, Any] | None = None,
+        callback: Any = None,
+    ) -> MipResult:
+        """HiGHS first (``options``: HiGHS options; ``callback``: its MIP interrupt
+        callback), then CBC; ``backend="cbc"`` tries CBC first."""
+        order = [_solve_highs, _solve_cbc] if backend == "highs" else [_solve_cbc, _solve_highs]
+        errors: list[str] = []
+        for solver in order:
+            try:
+                return solver(self, time_limit, options or {}, callback)
+            except SolverUnavailable as error:
+                errors.append(str(error))
+        raise RuntimeError(f"no ILP solver could run (HiGHS, CBC): {'; '.join(errors)}")
+
+
+class SolverUnavailable(Exception):
+    """A backend that is not installed, or failed before it solved."""
+
+
+def _csr(mip: Mip) -> tuple[list[int], list[int], list[float]]:
+    """The rows as a row-wise sparse matrix: starts, column indices, values."""
+    starts, index, values = [0], [], []
+    for _, _, terms in mip.rows:
+        index.extend(terms.keys())
+        values.extend(terms.values())
+        starts.append(len(index))
+    return starts, index, values
+
+
+def _solve_highs(mip: Mip, time_limit: float, options: dict[str, Any], callback: Any) -> MipResult:
+    lp = highspy.HighsLp()
+    lp.num_col_ = mip.num_columns
+    lp.num_row_ = len(mip.rows)
+    cost = [0.0] * mip.num_columns
+    for column, value in mip.objective.terms.items():
+        cost[column] += value
+    lp.col_cost_ = cost
+    lp.offset_ = mip.objective.constant
+    lp.col_lower_ = mip.lower
+    lp.col_upper_ = [highspy.kHighsInf if u == INF else u for u in mip.upper]
+    lp.row_lower_ = [-highspy.kHighsInf if lo == -INF else lo for lo, _, _ in mip.rows]
+    lp.row_upper_ = [highspy.kHighsInf if hi == INF else hi for _, hi, _ in mip.rows]
+    starts, index, values = _csr(mip)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = starts
+    lp.a_matrix_.index_ = index
+    lp.a_matrix_.value_ = values
+    lp.a_matrix_.num_col_ = mip.num_columns
+    lp.a_matrix_.num_row_ = len(mip.rows)
+    if any(mip.integer):
+        lp.integrality_ = [
+            highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
+            for i in mip.integer
+        ]
+    with quiet_stdout():  # HiGHS prints a banner from C++ when first created
+        highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    highs.setOptionValue("time_limit", float(time_limit))
+    for key, value in options.items():
+        highs.setOptionValue(key, value)
+    if callback is not None:
+        highs.setCallback(callback, None)
+        highs.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
+    if highs.passModel(lp) == highspy.HighsStatus.kError:
+        raise SolverUnavailable("HiGHS refused the model")
+    with quiet_stdout():
+        highs.run()
+    status = highs.getModelStatus()
+    if status == highspy.HighsModelStatus.kModelEmpty:  # no columns: nothing to choose
+        return MipResult("optimal", True, False, mip.objective.constant, 0.0, "highs", [])
+    info = highs.getInfo()
+    found = status == highspy.HighsModelStatus.kOptimal or (
+        info.primal_solution_status == 2  # kSolutionStatusFeasible: stopped with a plan
+        and math.isfinite(highs.getObjectiveValue())
+    )
+    infeasible = status in (
+        highspy.HighsModelStatus.kInfeasible,
+        highspy.HighsModelStatus.kUnboundedOrInfeasible,
+    )
+    gap: float | None = None
+    if status == highspy.HighsModelStatus.kOptimal:
+        gap = 0.0
+    elif found:
+        gap = float(info.mip_gap)
+    return MipResult(
+        status=_words(status, found),
+        has_solution=found,
+        infeasible=infeasible,
+        objective=float(highs.getObjectiveValue()) if found else None,
+        gap=gap,
+        backend="highs",
+        values=list(highs.getSolution().col_value) if found else [],
+    )
+
+
+def _words(status: Any, found: bool) -> str:
+    if status == highspy.HighsModelStatus.kOptimal:
+        return "optimal"
+    if found:
+        return "feasible (time limit; best found)"
+    if status in (
+        highspy.HighsModelStatus.kInfeasible,
+        highspy.HighsModelStatus.kUnboundedOrInfeasible,
+    ):
+        return "infeasible"
+    return "not solved"
+
+
+def _solve_cbc(mip: Mip, time_limit: float, options: dict[str, Any], callback: Any) -> MipResult:
+    """CBC through PuLP (which ships it): the same columns and rows, named in order."""
+    import pulp
+
+    solver = pulp.COIN_CMD(msg=False, timeLimit=time_limit)  # a CBC of the system's
+    if not solver.available():
+        with warnings.catch_warnings():  # the CBC PuLP ships, deprecated from PuLP 3.3
+            warnings.simplefilter("ignore", DeprecationWarning)
+            solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit)
+    if not solver.available():
+        raise SolverUnavailable("CBC is not available")
+    model = pulp.LpProblem("autopar", pulp.LpMinimize)
+    width = len(str(max(mip.num_columns, 1)))  # names in column order: PuLP sorts by name
+    columns = [
+        model.add_variable(
+            f"x{c:0{width}d}",
+            lo,
+            None if hi == INF else hi,
+            pulp.LpInteger if integer else pulp.LpContinuous,
+        )
+        for c, (lo, hi, integer) in enumerate(zip(mip.lower, mip.upper, mip.integer, strict=True))
+    ]
+
+    def expression(terms: dict[int, float], constant: float = 0.0) -> pulp.LpAffineExpression:
+        return pulp.LpAffineExpression([(columns[c], v) for c, v in terms.items()], constant)
+
+    for lower, upper, terms in mip.rows:
+        if lower == upper:
+            model += expression(terms) == lower
+            continue
+        if lower != -INF:
+            model += expression(terms) >= lower
+        if upper != INF:
+            model += expression(terms) <= upper
+    model += expression(mip.objective.terms, mip.objective.constant)
+    try:
+        with quiet_stdout():
+            model.solve(solver)
+    except pulp.PulpSolverError as error:
+        raise SolverUnavailable(f"CBC failed: {error}") from error
+    found = model.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    optimal = model.sol_status == pulp.LpSolutionOptimal
+    return MipResult(
+        status="optimal"
+        if optimal
+        else (
+            "feasible (time limit; best found)"
+            if found
+            else ("infeasible" if model.status == pulp.LpStatusInfeasible else "not solved")
+        ),
+        has_solution=found,
+        infeasible=model.status == pulp.LpStatusInfeasible,
+        objective=float(pulp.value(model.objective) or 0.0) if found else None,
+        gap=0.0 if optimal else None,
+        backend="cbc",
+        values=[v.value() or 0.0 for v in columns] if found else [],
+    )
+
+
+@contextlib.contextmanager
+def quiet_stdout() -> Iterator[None]:
+    """Keep the C++ solvers' prints off the user's terminal."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
