@@ -52,6 +52,7 @@ def test_devices_lists_a_broken_user_file_by_name(tmp_path):
 
 
 @pytest.mark.multirank
+@pytest.mark.alone  # fits in_step to timings
 def test_calibrate_quick_writes_a_preset_that_loads_back(tmp_path):
     out = tmp_path / "local.yaml"
     result = autopar("calibrate", "--quick", "--name", "tmp-machine", "-o", str(out))
@@ -85,6 +86,7 @@ def test_calibrate_refuses_a_path_as_name(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--ranks describes ranks sharing a CPU")
+@pytest.mark.alone
 def test_calibrate_for_ranks_sharing_the_cpu_divides_the_machine(tmp_path):
     """As ``run_ranks`` runs them: one thread a rank, the cores time-shared, the memory and
     its bandwidth split; the header says how."""
