@@ -16,8 +16,8 @@ from autopar import testing
 from autopar._version import __version__
 from autopar.api import compile, plan
 from autopar.mesh import Mesh
-from passes.trace import TracedModel, trace
-from plans import (
+from autopar_passes.trace import TracedModel, trace
+from autopar_plans import (
     AutoparError,
     HintError,
     InfeasiblePlanError,

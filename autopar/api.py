@@ -25,14 +25,14 @@ from autopar.hints_api import apply_hints
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.runtime.precision import check_precision, run_precision
-from passes.pipeline.search import PipelineRequest
-from passes.solve import SolveRequest, no_constraints
-from passes.trace import TracedModel, trace
-from plans.errors import AutoparError, PlanWarning, UsageError
-from plans.io import load_plan, plan_from_dict
-from plans.mesh import MeshSpec
-from plans.plan import Plan
-from plans.units import parse_bytes
+from autopar_passes.pipeline.search import PipelineRequest
+from autopar_passes.solve import SolveRequest, no_constraints
+from autopar_passes.trace import TracedModel, trace
+from autopar_plans.errors import AutoparError, PlanWarning, UsageError
+from autopar_plans.io import load_plan, plan_from_dict
+from autopar_plans.mesh import MeshSpec
+from autopar_plans.plan import Plan
+from autopar_plans.units import parse_bytes
 
 if TYPE_CHECKING:  # the runtime (DTensor, DCP) loads when a model is compiled, not on import
     from autopar.runtime.compiled import CompiledModel
@@ -75,7 +75,7 @@ def _plan(
     example_kwargs: dict[str, Any] | None,
     options: PlanOptions,
 ) -> tuple[Plan, TracedModel]:
-    from cost_model.hardware import load_preset
+    from autopar_cost_model.hardware import load_preset
 
     if not isinstance(mesh, MeshSpec):
         raise UsageError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")

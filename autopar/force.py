@@ -1,6 +1,6 @@
 """Named parallel styles as constraints on the solver (for tests, demos and comparisons).
 
-Forcing a style goes through the solver's one constraint mechanism (``passes.solve``): each
+Forcing a style goes through the solver's one constraint mechanism (``autopar_passes.solve``): each
 style is a predicate on (node, strategy); the ILP then completes the plan around it. The
 styles name the mesh axes they use: ``dp`` for the data-parallel axes and ``tp`` for the
 tensor-parallel one (by default the last axis is ``tp`` and the others ``dp``).
@@ -21,7 +21,7 @@ tensor-parallel one (by default the last axis is ``tp`` and the others ``dp``).
 - ``tp+sp``: as ``tp``, but the residual stream (3-d adds) sharded on the sequence dim over
   the tp axis (Megatron's sequence parallelism).
 - ``ep``: expert parallelism on the last axis (GShard, Switch): every expert matmul
-  (``passes.experts``) takes its expert weight split on the expert dim over that axis and
+  (``autopar_passes.experts``) takes its expert weight split on the expert dim over that axis and
   replicated on the others (experts data-parallel there), its tokens sharded on the others;
   every other matmul is data-parallel over all axes (activation sharded on dim 0, weights
   replicated), so tokens go to their experts and back by all-to-all on the ep axis.
@@ -33,14 +33,14 @@ tensor-parallel one (by default the last axis is ``tp`` and the others ``dp``).
 
 from __future__ import annotations
 
-from passes.experts import expert_matmul
-from passes.plan_build import ADDED_FIRST, MATMULS, is_residual_add
-from passes.solve import Constraint
-from passes.strategies.graph import NodeChoices
-from passes.strategies.types import Strategy
-from plans.errors import UsageError
-from plans.mesh import MeshSpec
-from plans.placement import Layout, Replicate, Shard
+from autopar_passes.experts import expert_matmul
+from autopar_passes.plan_build import ADDED_FIRST, MATMULS, is_residual_add
+from autopar_passes.solve import Constraint
+from autopar_passes.strategies.graph import NodeChoices
+from autopar_passes.strategies.types import Strategy
+from autopar_plans.errors import UsageError
+from autopar_plans.mesh import MeshSpec
+from autopar_plans.placement import Layout, Replicate, Shard
 
 STYLES = ("dp", "fsdp", "tp", "tp+sp", "ep", "ep+tp")
 

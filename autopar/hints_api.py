@@ -1,7 +1,7 @@
 """Hints for ``autopar.plan`` and ``autopar.compile``: the one function the API calls.
 
 ``apply_hints(hints, traced, mesh, options)`` reads the hint file, checks every hint against
-the traced model and the mesh (``passes.hints``) and against the options given next to it,
+the traced model and the mesh (``autopar_passes.hints``) and against the options given next to it,
 and returns a ``HintedPlanner`` whose ``plan(traced, request)`` runs the pipeline search
 with the hints as constraints, naming the conflicting hints when no plan satisfies them.
 With ``hints=None`` it is ``plan_pipeline`` itself, so the API calls it unconditionally::
@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from autopar.options import PlanOptions
-from passes.hints import ResolvedHints, resolve_hints
-from passes.pipeline.search import PipelineRequest, plan_pipeline
-from passes.trace import TracedModel
-from plans.errors import HintError
-from plans.hints import Hints, as_hints
-from plans.mesh import MeshSpec
-from plans.plan import Plan
-from plans.units import parse_bytes
+from autopar_passes.hints import ResolvedHints, resolve_hints
+from autopar_passes.pipeline.search import PipelineRequest, plan_pipeline
+from autopar_passes.trace import TracedModel
+from autopar_plans.errors import HintError
+from autopar_plans.hints import Hints, as_hints
+from autopar_plans.mesh import MeshSpec
+from autopar_plans.plan import Plan
+from autopar_plans.units import parse_bytes
 
 HintsLike = str | Path | Mapping[str, Any] | Hints
 

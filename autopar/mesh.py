@@ -1,4 +1,4 @@
-"""``autopar.Mesh``: the logical mesh (``plans.MeshSpec``) plus what a run needs.
+"""``autopar.Mesh``: the logical mesh (``autopar_plans.MeshSpec``) plus what a run needs.
 
 >>> mesh = Mesh((2, 4), ("dp", "tp"), device="h100-sxm")   # no processes needed
 >>> mesh.size
@@ -21,8 +21,8 @@ import torch.distributed as dist
 from pydantic import PrivateAttr
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from plans.errors import UsageError
-from plans.mesh import MeshSpec
+from autopar_plans.errors import UsageError
+from autopar_plans.mesh import MeshSpec
 
 # what torchrun (and torch.distributed's env:// rendezvous) puts in each process's environment
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -37,7 +37,7 @@ def local_rank() -> int:
 
 
 class Mesh(MeshSpec):
-    """A device mesh: shape, axis names, hardware preset. See ``plans.MeshSpec``."""
+    """A device mesh: shape, axis names, hardware preset. See ``autopar_plans.MeshSpec``."""
 
     # the ``DeviceMesh`` this mesh was made from, if any (``from_device_mesh``)
     _device_mesh: DeviceMesh | None = PrivateAttr(default=None)

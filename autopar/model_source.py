@@ -4,8 +4,8 @@ Three spellings, all calling a factory ``name(**config) -> (model, example_input
 
 - ``path/to/file.py:factory``  a Python file and a function in it;
 - ``package.module:factory``   an importable module and a function in it;
-- ``gpt2-124m``                a preset of ``examples.models`` (``autopar devices``' sibling
-                               for models: ``examples.models.PRESETS``).
+- ``gpt2-124m``                a preset of ``autopar_examples.models`` (``autopar devices``' sibling
+                               for models: ``autopar_examples.models.PRESETS``).
 
 ``--config key=value`` pairs become keyword arguments, their values read as YAML scalars
 (``n_layer=2`` is an int, ``dropout=0.1`` a float, ``bias=false`` a bool).
@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 from torch import nn
 
-from plans.errors import UsageError
+from autopar_plans.errors import UsageError
 
 Factory = Callable[..., tuple[nn.Module, tuple[Any, ...]]]
 
@@ -102,7 +102,7 @@ def _accepts(factory: Callable[..., Any], name: str) -> bool:
 
 
 def _preset_factory(name: str) -> Factory:
-    from examples.models import PRESETS, build
+    from autopar_examples.models import PRESETS, build
 
     if name not in PRESETS:
         close = difflib.get_close_matches(name, list(PRESETS), n=3)

@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from plans.errors import UsageError
-from plans.io import describe_validation_error
+from autopar_plans.errors import UsageError
+from autopar_plans.io import describe_validation_error
 
 
 class PlanOptions(BaseModel):

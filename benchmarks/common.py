@@ -25,13 +25,13 @@ import autopar
 from autopar.force import style_constraints
 from autopar.hints_api import apply_hints
 from autopar.options import PlanOptions
-from examples.models import build
-from passes.pipeline.search import PipelineRequest, plan_pipeline
-from passes.solve import Constraints, SolveRequest, no_constraints
-from passes.trace import TracedModel, trace
-from plans.mesh import MeshSpec
-from plans.plan import Plan
-from plans.units import parse_bytes
+from autopar_examples.models import build
+from autopar_passes.pipeline.search import PipelineRequest, plan_pipeline
+from autopar_passes.solve import Constraints, SolveRequest, no_constraints
+from autopar_passes.trace import TracedModel, trace
+from autopar_plans.mesh import MeshSpec
+from autopar_plans.plan import Plan
+from autopar_plans.units import parse_bytes
 
 PRESET = "h100-sxm"
 PRECISION = "bf16_mixed"

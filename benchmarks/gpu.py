@@ -39,13 +39,13 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.testing.ranks import free_port
+from autopar_cost_model.compute import op_time
+from autopar_cost_model.hardware import DevicePreset, load_preset
+from autopar_examples.models import build
+from autopar_passes.annotation import META_KEY
+from autopar_passes.rewrites.aligned_linear import aligned_linear
+from autopar_passes.trace import trace
 from benchmarks.render import profile_table
-from cost_model.compute import op_time
-from cost_model.hardware import DevicePreset, load_preset
-from examples.models import build
-from passes.annotation import META_KEY
-from passes.rewrites.aligned_linear import aligned_linear
-from passes.trace import trace
 
 aten = torch.ops.aten
 
@@ -290,11 +290,11 @@ def main() -> int:
     )
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if not args.cpu else "cpu"}
 
-    from cost_model.calibrate import calibrate
+    from autopar_cost_model.calibrate import calibrate
 
     calibrated = calibrate(name="calibrated", quick=True).preset
     args.out.mkdir(parents=True, exist_ok=True)
-    from cost_model.hardware import save_preset
+    from autopar_cost_model.hardware import save_preset
 
     save_preset(calibrated, args.out / "calibrated.yaml")
     presets = {
@@ -324,7 +324,7 @@ def main() -> int:
     )
     report["compile_s"] = time.perf_counter() - start
     # runs from here on have the q/k/v projection as one matmul
-    # (``passes.rewrites.fused_projection``)
+    # (``autopar_passes.rewrites.fused_projection``)
     report["fused_projection"] = True
     # and the model given to compile is freed when it returns (``autopar.api._build``)
     report["frees_given_model"] = True

@@ -19,10 +19,10 @@ import time
 import torch
 
 import autopar
-from examples.models import build
-from passes.plan_build import build_plan
-from passes.solve import SolveRequest, solve_sharding
-from passes.trace import trace
+from autopar_examples.models import build
+from autopar_passes.plan_build import build_plan
+from autopar_passes.solve import SolveRequest, solve_sharding
+from autopar_passes.trace import trace
 
 CASES = [
     ("llama3-8b", (8, 8), {}),
@@ -77,7 +77,7 @@ def plan_pipeline_once(
 
 
 def mesh_memory(mesh: autopar.Mesh) -> float:
-    from cost_model.hardware import load_preset
+    from autopar_cost_model.hardware import load_preset
 
     return load_preset(mesh.device).memory_bytes
 

@@ -53,6 +53,11 @@ from collections.abc import Callable
 from typing import Any
 
 import autopar
+from autopar_examples.models.presets import PRESETS
+from autopar_passes.trace import TracedModel
+from autopar_plans.errors import AutoparError, InfeasiblePlanError
+from autopar_plans.plan import Plan
+from autopar_plans.units import parse_bytes
 from benchmarks.common import (
     MEMORY_LIMIT,
     MESHES,
@@ -63,11 +68,6 @@ from benchmarks.common import (
     plan_traced,
     trace_with_loss,
 )
-from examples.models.presets import PRESETS
-from passes.trace import TracedModel
-from plans.errors import AutoparError, InfeasiblePlanError
-from plans.plan import Plan
-from plans.units import parse_bytes
 
 # (model, devices): each model on the meshes it is usually trained on (the default run)
 DEFAULT_CASES = (

@@ -21,8 +21,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 import autopar
-from examples.models import build
-from plans import InfeasiblePlanError
+from autopar_examples.models import build
+from autopar_plans import InfeasiblePlanError
 
 LIMITS_GIB = [80, 40, 24, 16, 12, 10, 8, 7, 6, 5, 4]
 

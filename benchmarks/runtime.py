@@ -54,12 +54,12 @@ for the one: a rank runs one thread), else the shipped ``cpu`` preset; the recor
 which. The predicted step is meant to be within 25% of the measured (0.75 to 1.25).
 
 The calibration measures what each of the 4 ranks gets while all 4 run on the 2 cores
-(``cost_model.calibrate``), and fits ``in_step``, how much slower ops run inside a step
-than alone, to a fixed reference step (``cost_model.reference_step``). A rank that waits
+(``autopar_cost_model.calibrate``), and fits ``in_step``, how much slower ops run inside a step
+than alone, to a fixed reference step (``autopar_cost_model.reference_step``). A rank that waits
 leaves its share of the cores to the others: a pipeline's ranks idle in its bubble, and the
 busy ones run faster meanwhile. The preset records the sharing (``shared_cores``: 4 ranks
 on 2 cores), and the cost model simulates a pipeline's schedule with it
-(``cost_model.schedule``); on GPUs, a device each, it does not arise. The data-parallel
+(``autopar_cost_model.schedule``); on GPUs, a device each, it does not arise. The data-parallel
 styles keep every rank busy.
 """
 
@@ -80,8 +80,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import autopar
+from autopar_examples.models import build
 from benchmarks.common import WithLoss
-from examples.models import build
 
 MODEL = dict(vocab_size=512, seq_len=128, n_layer=4, n_head=8, n_kv_head=4, d_model=256, d_ff=688)
 QUICK_MODEL = dict(vocab_size=64, seq_len=16, n_layer=4, n_head=4, n_kv_head=4, d_model=32, d_ff=64)
@@ -117,8 +117,8 @@ def adamw(params: Any) -> torch.optim.Optimizer:
 def _preset(ranks: int) -> str:
     """This machine's preset for ``ranks`` one-thread ranks (``local-cpu-4``, ``local-cpu-1``:
     written by ``autopar calibrate --ranks``), else the shipped ``cpu``."""
-    from cost_model.hardware import load_preset
-    from plans.errors import AutoparError
+    from autopar_cost_model.hardware import load_preset
+    from autopar_plans.errors import AutoparError
 
     name = f"local-cpu-{ranks}"
     try:
@@ -278,9 +278,9 @@ def _pytorch_tp(model: WithLoss, inputs: tuple, rank: int, world: int) -> Varian
 
 
 def _local_attention_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``examples.models.llama.Attention.forward`` on this rank's heads (its last reshape
+    """``autopar_examples.models.llama.Attention.forward`` on this rank's heads (its last reshape
     takes the local width, not the model's)."""
-    from examples.models.llama import apply_rotary, repeat_kv, rotary_angles
+    from autopar_examples.models.llama import apply_rotary, repeat_kv, rotary_angles
 
     B, T, _ = x.shape  # (B, T, C)
     nh, nkv, hs = self.n_head, self.n_kv_head, self.head_size

@@ -22,12 +22,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from autopar_passes.from_plan import PlanLayouts
+from autopar_passes.lower_spmd import lower_spmd
+from autopar_passes.lower_stages import stage_mesh
+from autopar_plans.errors import InfeasiblePlanError
+from autopar_plans.units import parse_bytes
 from benchmarks.common import MEMORY_LIMIT, MESHES, MODELS, cluster, plan_traced, trace_with_loss
-from passes.from_plan import PlanLayouts
-from passes.lower_spmd import lower_spmd
-from passes.lower_stages import stage_mesh
-from plans.errors import InfeasiblePlanError
-from plans.units import parse_bytes
 
 DEPTHS = (8, 16, 32, 64, 96)
 QUICK_MODELS = ("gpt2-124m",)

@@ -2,7 +2,7 @@
 
     python benchmarks/trace_time.py [--repeat 3] [MODEL ...]
 
-Builds each preset on ``meta`` (no weights), traces it with ``passes.trace.trace`` and
+Builds each preset on ``meta`` (no weights), traces it with ``autopar_passes.trace.trace`` and
 prints a markdown table: median seconds over ``--repeat`` runs (model build excluded),
 graph nodes, parameters, forward FLOPs. Target: llama3-8b under 10 s on 2 cores.
 """
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from examples.models import build
-from passes.trace import trace
+from autopar_examples.models import build
+from autopar_passes.trace import trace
 
 DEFAULT = ["gpt2-124m", "llama3-8b", "llama3-70b", "gpt3-175b", "mixtral-8x7b"]
 

@@ -3,41 +3,41 @@
 Runs no model and starts no process (except ``calibrate``, which benchmarks the machine).
 The formulas, their sources and what they leave out are in ``docs/cost_model.md``.
 
-Hardware (``cost_model.hardware``)
+Hardware (``autopar_cost_model.hardware``)
     ``load_preset("h100-sxm")`` or ``load_preset("my.yaml")`` -> ``DevicePreset`` (peak
     FLOP/s per dtype, memory, ``intra_node``/``inter_node`` ``Link``, ``Efficiency``);
     ``list_presets()``; ``save_preset(preset, path)``; ``preset_dirs()``.
 
-Compute (``cost_model.compute``)
+Compute (``autopar_cost_model.compute``)
     ``op_time(flops, bytes_moved, dtype, preset)``: roofline seconds;
     ``backward_time``, ``backward_flops`` (matmul: 2x forward), ``peak_flops(preset, dtype)``.
 
-Communication (``cost_model.collectives``, ``cost_model.reshard``)
+Communication (``autopar_cost_model.collectives``, ``autopar_cost_model.reshard``)
     ``cost = MeshCost(mesh, preset)``; ``cost.all_reduce(nbytes, axes)``, ``all_gather``,
     ``reduce_scatter``, ``all_to_all``, ``broadcast``, ``p2p(nbytes, axis)`` -> seconds;
     ``cost.collective(kind, nbytes, axes)`` -> ``CollectiveCost(time, form, steps)``;
     ``cost.reshard(src, dst, shape, itemsize)`` -> ``Reshard(time, steps)``.
 
-Memory (``cost_model.memory``)
+Memory (``autopar_cost_model.memory``)
     ``param_state_bytes(shape, optimizer, precision)``;
-    ``model_state_memory(params, mesh, optimizer, precision)`` -> ``plans.MemoryBreakdown``;
+    ``model_state_memory(params, mesh, optimizer, precision)`` -> ``autopar_plans.MemoryBreakdown``;
     ``saved_activation_bytes``, ``microbatches_in_flight``, ``activation_memory``,
     ``device_memory``.
 
-Step (``cost_model.step``)
+Step (``autopar_cost_model.step``)
     ``step_time(compute_s, recompute_s=, inline_comm_s=, tail_comm_s=, stages=, ...)``;
     ``bubble_fraction(p, m, v)``, ``pipeline_time``, ``exposed_gradient_sync``,
-    ``exposed_prefetch``, ``mfu``, ``to_estimate`` -> ``plans.Estimate``.
+    ``exposed_prefetch``, ``mfu``, ``to_estimate`` -> ``autopar_plans.Estimate``.
 
-Reference (``cost_model.reference``)
+Reference (``autopar_cost_model.reference``)
     ``gpt_params``, ``gpt_flops_per_iteration``, ``tp_traffic_per_layer``: published forms.
 
-Calibration (``cost_model.calibrate``, imported on demand: it starts processes)
-    ``from cost_model.calibrate import calibrate``; ``calibrate(name, quick)`` ->
+Calibration (``autopar_cost_model.calibrate``, imported on demand: it starts processes)
+    ``from autopar_cost_model.calibrate import calibrate``; ``calibrate(name, quick)`` ->
     ``Calibration(preset, notes)``; from the shell, ``autopar calibrate``.
 """
 
-from cost_model.collectives import (
+from autopar_cost_model.collectives import (
     COLLECTIVES,
     AxisLink,
     CollectiveCost,
@@ -48,7 +48,7 @@ from cost_model.collectives import (
     ring_steps,
     ring_time,
 )
-from cost_model.compute import (
+from autopar_cost_model.compute import (
     backward_bytes,
     backward_flops,
     backward_time,
@@ -58,7 +58,7 @@ from cost_model.compute import (
     op_time,
     peak_flops,
 )
-from cost_model.hardware import (
+from autopar_cost_model.hardware import (
     DTYPE_KEYS,
     DevicePreset,
     Efficiency,
@@ -70,7 +70,7 @@ from cost_model.hardware import (
     preset_dirs,
     save_preset,
 )
-from cost_model.memory import (
+from autopar_cost_model.memory import (
     OPTIMIZERS,
     PRECISIONS,
     ParamLayouts,
@@ -83,9 +83,9 @@ from cost_model.memory import (
     param_state_bytes,
     saved_activation_bytes,
 )
-from cost_model.reference import gpt_flops_per_iteration, gpt_params, tp_traffic_per_layer
-from cost_model.reshard import Reshard, ReshardStep, reshard_cost
-from cost_model.step import (
+from autopar_cost_model.reference import gpt_flops_per_iteration, gpt_params, tp_traffic_per_layer
+from autopar_cost_model.reshard import Reshard, ReshardStep, reshard_cost
+from autopar_cost_model.step import (
     StepTime,
     bubble_fraction,
     exposed_gradient_sync,

@@ -13,7 +13,7 @@
   training records them: seconds per op forward, and per op of its backward (the autograd
   engine's node); asynchronous on a GPU (the host queues kernels), additive on a CPU.
 - **A reference step**: forward and backward of a small fixed decoder
-  (``cost_model.reference_step``), against which ``autopar calibrate`` fits ``in_step``,
+  (``autopar_cost_model.reference_step``), against which ``autopar calibrate`` fits ``in_step``,
   how much slower ops run inside a training step than each alone.
 - **Collectives**: ``collective_bench`` on 2 local processes with gloo on a CPU (on
   ``ranks`` of them with ``ranks``), or NCCL across the visible GPUs when there are at
@@ -53,9 +53,9 @@ import torch
 import torch.multiprocessing as mp
 import torch.utils.flop_counter
 
-from cost_model.collective_bench import PENALTY_COMPUTE_S, SMALLEST, measure_collectives
-from cost_model.flops import cpu_flash_flop_mapping
-from cost_model.hardware import (
+from autopar_cost_model.collective_bench import PENALTY_COMPUTE_S, SMALLEST, measure_collectives
+from autopar_cost_model.flops import cpu_flash_flop_mapping
+from autopar_cost_model.hardware import (
     DevicePreset,
     Efficiency,
     Link,
@@ -63,8 +63,8 @@ from cost_model.hardware import (
     SharedCores,
     load_preset,
 )
-from cost_model.reference_step import step_runner
-from plans.errors import UsageError
+from autopar_cost_model.reference_step import step_runner
+from autopar_plans.errors import UsageError
 
 OP_CHAIN = 64  # element-wise ops per timed chain (op overhead)
 CPU_COPY_BYTES = 16 << 20  # the copy that measures a CPU's memory bandwidth (copy_bytes)
@@ -92,8 +92,8 @@ FULL = Budget(
 
 class Calibration(NamedTuple):
     """The measured preset and notes on how each figure was obtained; the seconds of the
-    reference step's forward and backward (``cost_model.reference_step``), to which
-    ``passes.reference_step.fit_in_step`` fits the preset's ``in_step``."""
+    reference step's forward and backward (``autopar_cost_model.reference_step``), to which
+    ``autopar_passes.reference_step.fit_in_step`` fits the preset's ``in_step``."""
 
     preset: DevicePreset
     notes: tuple[str, ...]
@@ -327,7 +327,7 @@ class DeviceFigures(NamedTuple):
     op_forward: float
     op_backward: float
     op_rates: dict[str, dict[str, Curve]]
-    reference_step_s: float  # forward and backward of ``cost_model.reference_step``
+    reference_step_s: float  # forward and backward of ``autopar_cost_model.reference_step``
 
 
 def measure_device(

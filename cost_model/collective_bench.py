@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cost_model.collectives import bus_factor, ring_steps
+from autopar_cost_model.collectives import bus_factor, ring_steps
 
 BENCH_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 SMALLEST = 64 << 10  # bytes: the curve's first size

@@ -62,11 +62,17 @@ import math
 from collections.abc import Iterable
 from typing import Literal, NamedTuple
 
-from cost_model.hardware import COLLECTIVE_KINDS, DevicePreset, Link, load_preset, read_curve
-from cost_model.reshard import Reshard, reshard_cost
-from plans.errors import UsageError
-from plans.mesh import MeshSpec
-from plans.placement import Layout
+from autopar_cost_model.hardware import (
+    COLLECTIVE_KINDS,
+    DevicePreset,
+    Link,
+    load_preset,
+    read_curve,
+)
+from autopar_cost_model.reshard import Reshard, reshard_cost
+from autopar_plans.errors import UsageError
+from autopar_plans.mesh import MeshSpec
+from autopar_plans.placement import Layout
 
 Form = Literal["none", "ring", "hierarchical"]
 COLLECTIVES: tuple[str, ...] = COLLECTIVE_KINDS
@@ -316,5 +322,6 @@ class MeshCost:
         return self.collective("p2p", nbytes, axis).time
 
     def reshard(self, src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> Reshard:
-        """The collectives that turn layout ``src`` into ``dst``; see ``cost_model.reshard``."""
+        """The collectives that turn layout ``src`` into ``dst``; see
+        ``autopar_cost_model.reshard``."""
         return reshard_cost(self, src, dst, tuple(shape), itemsize)

@@ -20,7 +20,7 @@ tfloat32 -> float32, float8 -> bfloat16, float64 -> float32 / 2 (datacenter GPUs
 half the fp32 rate or better; consumer parts far slower, so give float64 where it matters);
 integer and bool ops have no floating-point peak and are costed as memory-bound.
 
->>> from cost_model.hardware import load_preset
+>>> from autopar_cost_model.hardware import load_preset
 >>> preset = load_preset("h100-sxm")
 >>> seconds = op_time(2 * 8192**3, 3 * 2 * 8192**2, "bfloat16", preset)  # compute-bound
 >>> round(seconds * 1e3, 2)                                  # 1.1 PFLOP at 0.75 x 989 TFLOP/s
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from cost_model.hardware import DevicePreset, read_curve
+from autopar_cost_model.hardware import DevicePreset, read_curve
 
 if TYPE_CHECKING:
     import torch
@@ -97,7 +97,7 @@ def op_time(
     ``attention``) at ``call_flops`` (FLOPs of one forward call; default ``flops``) where the
     preset has one (``DevicePreset.op_rates``), else the peak times the compute efficiency.
 
-    >>> from cost_model.hardware import load_preset
+    >>> from autopar_cost_model.hardware import load_preset
     >>> cpu = load_preset("cpu")
     >>> op_time(0, 8e6, "float32", cpu) == 8e6 / (20e9 * 0.8)      # no FLOPs: memory-bound
     True

@@ -1,8 +1,8 @@
 """FLOP counting as the cost model counts it: ``torch.utils.flop_counter`` with the CPU's
 flash-attention kernels counted as the CUDA ones are (torch's registry has no formula for
 ``_scaled_dot_product_flash_attention_for_cpu``, which CPU runs and fake CPU tensors take,
-so attention would count as no FLOPs). ``passes.probe`` counts the model's ops with it and
-``cost_model.calibrate`` the ops it times, so measured rates and counted FLOPs agree.
+so attention would count as no FLOPs). ``autopar_passes.probe`` counts the model's ops with it and
+``autopar_cost_model.calibrate`` the ops it times, so measured rates and counted FLOPs agree.
 """
 
 from __future__ import annotations

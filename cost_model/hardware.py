@@ -36,9 +36,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from plans.errors import PresetError, UsageError
-from plans.io import describe_validation_error
-from plans.units import parse_bytes
+from autopar_plans.errors import PresetError, UsageError
+from autopar_plans.io import describe_validation_error
+from autopar_plans.units import parse_bytes
 
 PRESET_PATH_ENV = "AUTOPAR_PRESET_PATH"
 USER_PRESET_DIR = Path("~/.config/autopar/presets")
@@ -201,7 +201,7 @@ class DevicePreset(_Strict):
         "alone, where its figures were measured (caches shared with the other ops' "
         "tensors, inputs in the layouts the op before left): every op's roofline time is "
         "multiplied by it. ``autopar calibrate`` fits it to a reference step "
-        "(``cost_model.reference_step``); 1 for the shipped presets.",
+        "(``autopar_cost_model.reference_step``); 1 for the shipped presets.",
     )
     comm_overlap: float = Field(
         1.0,
@@ -215,7 +215,7 @@ class DevicePreset(_Strict):
         None,
         description="Where the figures were measured by several CPU ranks sharing fewer "
         "cores: the ranks and the cores. A pipeline's devices that wait in its bubble leave "
-        "their cores to the busy ones (``cost_model.schedule``). None: a device each.",
+        "their cores to the busy ones (``autopar_cost_model.schedule``). None: a device each.",
     )
     efficiency: Efficiency
 

@@ -19,7 +19,7 @@ bf16            2                                2                  states x 2
 A ZeRO-1/2 parameter (optimizer state sharded beyond the parameter) is held as a *working
 copy* the graph reads and a *master* piece the optimizer steps (``runtime.zero``): weights
 ``w``, the working copy's width (under mixed precision the compute dtype's 2 when every op
-that reads it casts it anyway, a matmul's weight, ``passes.mixed_precision``; else the
+that reads it casts it anyway, a matmul's weight, ``autopar_passes.mixed_precision``; else the
 stored width); gradient ``w`` for ZeRO-1 (the working gradient, accumulated whole over
 the microbatches), the master's width for ZeRO-2 (each microbatch's sum lands in the
 master's piece; torch steps a parameter with a gradient of its own dtype); optimizer the
@@ -69,10 +69,10 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Literal, NamedTuple, Protocol
 
-from plans.errors import UsageError
-from plans.mesh import MeshSpec
-from plans.placement import Layout
-from plans.plan import MemoryBreakdown
+from autopar_plans.errors import UsageError
+from autopar_plans.mesh import MeshSpec
+from autopar_plans.placement import Layout
+from autopar_plans.plan import MemoryBreakdown
 
 Optimizer = Literal["sgd", "sgd_momentum", "adam", "adamw", "adafactor"]
 Precision = Literal["fp32", "bf16_mixed", "fp16_mixed", "bf16"]
@@ -102,7 +102,7 @@ PRECISIONS: dict[str, PrecisionPolicy] = {
 
 
 class ParamLayoutsLike(Protocol):
-    """What ``model_state_memory`` reads from a parameter (``plans.ParamPlan`` has it)."""
+    """What ``model_state_memory`` reads from a parameter (``autopar_plans.ParamPlan`` has it)."""
 
     @property
     def shape(self) -> tuple[int, ...]: ...
@@ -189,7 +189,7 @@ def model_state_memory(
     """Parameter, gradient and optimizer bytes per device; each divided by its layout's shards.
 
     ``params``: anything with ``shape``, ``param``, ``grad`` and ``optimizer`` layouts, such
-    as ``plans.ParamPlan`` or ``ParamLayouts``; a parameter whose optimizer layout shards
+    as ``autopar_plans.ParamPlan`` or ``ParamLayouts``; a parameter whose optimizer layout shards
     more than its parameter layout is held as ZeRO holds it, its working copy in the compute
     dtype under mixed precision when ``working_cast`` (matmul weights).
     ``activations`` is left at 0.

@@ -37,7 +37,7 @@ What it leaves out: the step counter and bias-correction scalars, Adafactor's th
 (``fused=True`` reads each tensor once: 4 passes for Adam), and caches that hold a small
 model's states (a CPU's last-level cache can).
 
->>> from cost_model.hardware import load_preset
+>>> from autopar_cost_model.hardware import load_preset
 >>> round(optimizer_step_time(1e9, "adamw", 4, load_preset("h100-sxm")) * 1e3, 1)
 28.1
 """
@@ -46,8 +46,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from cost_model.hardware import DevicePreset
-from plans.errors import UsageError
+from autopar_cost_model.hardware import DevicePreset
+from autopar_plans.errors import UsageError
 
 
 class StepTraffic(NamedTuple):

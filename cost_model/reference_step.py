@@ -7,7 +7,7 @@ activations and gradients of the other ops pass through the same caches, and eac
 inputs come from the op before in whatever layout it left them. On one CPU thread a small
 decoder's step took 1.34x the sum of its ops' predicted times (attention's backward 3.4x,
 element-wise multiplies 2x, matmuls 1.2x). ``autopar calibrate`` times this step's
-forward and backward and fits the preset's ``in_step`` to it (``passes.reference_step``).
+forward and backward and fits the preset's ``in_step`` to it (``autopar_passes.reference_step``).
 
 The model is a GPT-style decoder (pre-norm blocks of causal attention and a GELU MLP),
 fixed here so that every calibration times the same work; it is not one of the models a

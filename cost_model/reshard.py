@@ -1,7 +1,7 @@
-"""Resharding time: the price of the steps ``plans.reshard.plan_reshard`` plans.
+"""Resharding time: the price of the steps ``autopar_plans.reshard.plan_reshard`` plans.
 
 The planner gives the steps, one mesh axis each, in the order the lowering runs them
-(``passes.lower_spmd`` emits the same list); this module only prices them. Bytes per step,
+(``autopar_passes.lower_spmd`` emits the same list); this module only prices them. Bytes per step,
 the tensor as it stands before the step:
 
 ==============  ===============================================================
@@ -17,7 +17,7 @@ all_gather      the array after: S_axis
 
 ``S_axis`` is the global size divided by the shard factors of the *other* mesh axes at that
 moment. Each step is priced on its own axis, in order, because that is how the runtime runs
-it (``passes.lower_spmd`` emits one collective per axis): ``[P, P] -> [R, R]`` is two
+it (``autopar_passes.lower_spmd`` emits one collective per axis): ``[P, P] -> [R, R]`` is two
 all-reduces, one per axis. Pricing a phase's steps as one collective over their axes, in
 the hierarchical form ``MeshCost.collective`` may pick, charged a form the runtime does
 not run: on a cluster mesh, gathering gpt-tiny's logits over ``(node, gpu)`` priced the
@@ -42,12 +42,12 @@ import functools
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
-from plans.errors import UsageError
-from plans.placement import Layout, Shard
-from plans.reshard import LOCAL_KINDS, plan_reshard
+from autopar_plans.errors import UsageError
+from autopar_plans.placement import Layout, Shard
+from autopar_plans.reshard import LOCAL_KINDS, plan_reshard
 
 if TYPE_CHECKING:
-    from cost_model.collectives import MeshCost
+    from autopar_cost_model.collectives import MeshCost
 
 
 class ReshardStep(NamedTuple):

@@ -44,8 +44,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from cost_model.hardware import SharedCores
-from cost_model.step import pipeline_time
+from autopar_cost_model.hardware import SharedCores
+from autopar_cost_model.step import pipeline_time
 
 # below this many seconds of compute a task's compute is done (float residue of the rates)
 _DONE_S = 1e-12
@@ -206,7 +206,7 @@ def schedule_time(
     """Seconds a pipeline's schedule takes, stage ``s`` computing ``forward[s]`` and
     ``backward[s]`` and waiting ``waits[s]`` per microbatch.
 
-    Where each device has cores of its own, ``cost_model.step.pipeline_time`` of
+    Where each device has cores of its own, ``autopar_cost_model.step.pipeline_time`` of
     ``T_s = forward[s] + backward[s] + waits[s]``, the closed form; where devices share cores
     (``cores``), the span of the simulated schedule, whose devices run faster while others
     wait (module docstring). ``replicas``: devices of each stage, busy together.

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from plans.errors import UsageError
-from plans.plan import Estimate, MemoryBreakdown, StageEstimate
+from autopar_plans.errors import UsageError
+from autopar_plans.plan import Estimate, MemoryBreakdown, StageEstimate
 
 
 class StepTime(BaseModel):
@@ -195,7 +195,7 @@ def to_estimate(
     memory: MemoryBreakdown,
     stages: tuple[StageEstimate, ...] = (),
 ) -> Estimate:
-    """The ``plans.Estimate`` of a step, with its MFU."""
+    """The ``autopar_plans.Estimate`` of a step, with its MFU."""
     return Estimate(
         step_time_s=step.step_time_s,
         flops_per_step=flops_per_step,

@@ -1,7 +1,7 @@
 """A training script of the usual shape, compiled by autopar; launch it with torchrun.
 
-    torchrun --standalone --nproc-per-node 4 -m examples.train --mesh 2x2 --steps 20
-    torchrun --standalone --nproc-per-node 4 -m examples.train --mesh 2x2 --steps 20 \\
+    torchrun --standalone --nproc-per-node 4 -m autopar_examples.train --mesh 2x2 --steps 20
+    torchrun --standalone --nproc-per-node 4 -m autopar_examples.train --mesh 2x2 --steps 20 \\
         --checkpoint ckpt --resume 10
 
 A Hugging Face Llama built from a config (its defaults, tiny sizes; no download), called
@@ -111,7 +111,7 @@ def _load(model: nn.Module, optimizer: Any, schedule: Any, checkpoint: str | Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m examples.train", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m autopar_examples.train", description=__doc__)
     parser.add_argument("--mesh", default="2", help="mesh shape, such as 4 or 2x2")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--checkpoint", help="a directory for the sharded checkpoint")

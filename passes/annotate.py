@@ -1,8 +1,9 @@
-"""The annotate pass: write ``node.meta["autopar"]`` (see ``passes.annotation``) on every node.
+"""The annotate pass: write ``node.meta["autopar"]`` (see ``autopar_passes.annotation``) on every
+node.
 
 Reads: the exported graph (``node.meta["val"]``, ``nn_module_stack``) and its signature
 (which placeholders are parameters, buffers, user inputs). Writes: one ``NodeAnnotation``
-per node. Each op is probed once per distinct signature (``passes.probe``).
+per node. Each op is probed once per distinct signature (``autopar_passes.probe``).
 
 Saved-for-backward bytes are attributed to the node that *owns* the storage: a view's
 storage belongs to its base, so a tensor that several consumers save, directly or through
@@ -16,9 +17,9 @@ from collections.abc import Mapping
 
 import torch
 
-from passes.annotation import META_KEY, NodeAnnotation, NodeKind, TensorInfo, dtype_name
-from passes.layers import LayerContainer, module_path
-from passes.probe import OpProbe, OpProber
+from autopar_passes.annotation import META_KEY, NodeAnnotation, NodeKind, TensorInfo, dtype_name
+from autopar_passes.layers import LayerContainer, module_path
+from autopar_passes.probe import OpProbe, OpProber
 
 
 def _tensor_infos(value: object) -> tuple[TensorInfo, ...]:

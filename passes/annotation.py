@@ -1,6 +1,6 @@
 """``node.meta["autopar"]``: the one annotation the analyses write on each traced node.
 
-Written by ``passes.annotate.annotate_graph``; read by strategies, the solver, the lowering
+Written by ``autopar_passes.annotate.annotate_graph``; read by strategies, the solver, the lowering
 and the CLI. One frozen record per node:
 
 ==================  ==================================================================

@@ -12,10 +12,10 @@ training step per device, or bytes per device.
   swapped: an all-gather's adjoint is a reduce-scatter, an all-reduce's an all-reduce, a
   slice's a free zero-pad.
 - **Activation memory** of an op: its saved-for-backward bytes divided by its output
-  layout's shard factor (owner attribution, see ``passes.annotate``).
+  layout's shard factor (owner attribution, see ``autopar_passes.annotate``).
 - **Parameters**: value, gradient and optimizer-state bytes under the optimizer and
   precision policy, each divided by its layout; the optimizer's step of the piece the
-  device steps (``cost_model.optimizer``); gradient synchronisation: the gradient of
+  device steps (``autopar_cost_model.optimizer``); gradient synchronisation: the gradient of
   a parameter replicated over mesh axes is partial over them and is all-reduced there
   (reduce-scattered under ZeRO-1/2, plus an all-gather of the updated shard after the step).
 """
@@ -31,20 +31,20 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from cost_model.collectives import MeshCost
-from cost_model.compute import op_time
-from cost_model.memory import param_state_bytes, precision_policy
-from cost_model.optimizer import optimizer_step_time
-from cost_model.reshard import ReshardStep
-from passes.annotation import META_KEY, NodeAnnotation, TensorInfo, dtype_itemsize
-from passes.mixed_precision import AutocastSaved
-from passes.strategies.types import Strategy
-from plans.buckets import BUCKET_BYTES, ddp_buckets
-from plans.placement import PARTIAL, REPLICATE, Layout, Partial, Replicate, Shard
-from plans.reshard import LOCAL_KINDS
+from autopar_cost_model.collectives import MeshCost
+from autopar_cost_model.compute import op_time
+from autopar_cost_model.memory import param_state_bytes, precision_policy
+from autopar_cost_model.optimizer import optimizer_step_time
+from autopar_cost_model.reshard import ReshardStep
+from autopar_passes.annotation import META_KEY, NodeAnnotation, TensorInfo, dtype_itemsize
+from autopar_passes.mixed_precision import AutocastSaved
+from autopar_passes.strategies.types import Strategy
+from autopar_plans.buckets import BUCKET_BYTES, ddp_buckets
+from autopar_plans.placement import PARTIAL, REPLICATE, Layout, Partial, Replicate, Shard
+from autopar_plans.reshard import LOCAL_KINDS
 
 if TYPE_CHECKING:
-    from passes.trace import TracedModel
+    from autopar_passes.trace import TracedModel
 
 
 # ATen ops by the family whose measured rate they run at (``DevicePreset.op_rates``)
@@ -97,7 +97,7 @@ class ParamCost:
 @dataclass(frozen=True)
 class SyncCall:
     """The fixed cost (launch and hop latencies) of the first call of a bucket key on one
-    mesh axis: the runtime fills buckets per key (``plans.buckets``: the parameters of one
+    mesh axis: the runtime fills buckets per key (``autopar_plans.buckets``: the parameters of one
     process group and dtype), so it pays a call for every key any parameter joins, however
     few bytes it holds. Priced as a share of one model-wide bucket's call instead, the few
     parameters a tensor-parallel plan leaves replicated paid a fraction of the calls the
@@ -120,7 +120,7 @@ class CostModel:
     precision: str = "fp32"
     zero: int = 0  # ZeRO stage applied to replicated axes of parameters: 0, 1 or 2
     # activations of a microbatch of (batch_scale x) the traced batch: what memory needs
-    # when the search runs smaller microbatches than were traced (passes.pipeline.search)
+    # when the search runs smaller microbatches than were traced (autopar_passes.pipeline.search)
     batch_scale: float = 1.0
     # what fills one gradient-sync bucket: DDP's 25 MiB, or the whole model's gradients
     # when they are fewer (``bucketed``)
@@ -129,10 +129,10 @@ class CostModel:
     # fill after its first (``bucketed``)
     bucket_cap: float = BUCKET_BYTES
     # parameter placeholders whose ZeRO working copy is in the compute dtype (mixed
-    # precision: those only matmuls read, ``passes.mixed_precision.cast_for_gather``)
+    # precision: those only matmuls read, ``autopar_passes.mixed_precision.cast_for_gather``)
     working_cast: frozenset[str] = frozenset()
     # what autograd keeps under the mixed precision's autocast (None: the traced dtypes, fp32
-    # scaled to the compute dtype); ``passes.mixed_precision.autocast_saved``
+    # scaled to the compute dtype); ``autopar_passes.mixed_precision.autocast_saved``
     autocast_saved: AutocastSaved | None = None
     # parameter placeholder -> its FSDP group (its layer's parameters, or those before or
     # after the layers), whose gathers the runtime runs as one call, and its share of the
@@ -266,7 +266,7 @@ class CostModel:
         forward's collectives once more. ``param``: the parameter's placeholder, whose
         gather from its own shard the runtime runs with the rest of its FSDP group
         (``gather_share``). ``output``: the reshard makes a model output whole, and the
-        all-reduces that end it skip their adjoint (``passes.rewrites.output_boundary``:
+        all-reduces that end it skip their adjoint (``autopar_passes.rewrites.output_boundary``:
         priced, the logits' all-reduce of a tensor-parallel head was paid twice). ``batch``:
         an activation of a microbatch of that many times the traced batch (the pipeline
         search's smaller microbatches), each call timed for its bytes so scaled."""
@@ -450,7 +450,7 @@ class CostModel:
     ) -> float:
         """Seconds of one parameter's share of a bucketed collective (gradient sync, ZeRO),
         but the first call's fixed cost of its key (``SyncCall``). The runtime sums
-        gradients in DDP's 25 MiB buckets (``plans.buckets``): the bytes move at a whole
+        gradients in DDP's 25 MiB buckets (``autopar_plans.buckets``): the bytes move at a whole
         bucket's speed (``bucket_bytes``; ``Link.bandwidth_by_kind``), not a small
         tensor's, and the fixed cost of the calls after a key's first is the parameter's
         share of a full bucket (``bucket_cap``), at most one call: a parameter larger than
@@ -481,7 +481,7 @@ class CostModel:
         even: bool,
     ) -> tuple[SyncCall, ...]:
         """The bucket keys' first calls a parameter joins, keyed as the runtime fills its
-        buckets (``passes.ledger.gradient_sync_entries``, ``zero_entries``): DDP by the
+        buckets (``autopar_passes.ledger.gradient_sync_entries``, ``zero_entries``): DDP by the
         replicated axes and the stored dtype; ZeRO by its axes, the other replicated axes
         and the working copy's dtype, a parameter that does not split evenly in a bucket of
         its own."""
@@ -625,8 +625,8 @@ def gradient_bytes(params: list[tuple[tuple[int, ...], int]]) -> int:
 
 def sync_buckets(params: list[tuple[tuple[int, ...], int]]) -> int:
     """How many buckets the runtime sums gradients in, for ``(shape, bytes per value)`` of
-    every parameter, whole (``plans.buckets.ddp_buckets``): the ``k`` of the exposed
-    gradient-sync rule (``cost_model.step.exposed_gradient_sync``). Sharded parameters
+    every parameter, whole (``autopar_plans.buckets.ddp_buckets``): the ``k`` of the exposed
+    gradient-sync rule (``autopar_cost_model.step.exposed_gradient_sync``). Sharded parameters
     make fewer; counting them whole errs toward more hiding."""
     items = [(0, math.prod(shape) * itemsize) for shape, itemsize in reversed(params)]
     return max(len(ddp_buckets(items)), 1)
@@ -638,7 +638,7 @@ class _Step(Protocol):
 
 def trailing_all_reduces(steps: Sequence[_Step]) -> int:
     """How many all-reduces end ``steps`` (a reshard's steps or calls): those whose adjoint
-    the output boundary skips (``passes.rewrites.output_boundary``)."""
+    the output boundary skips (``autopar_passes.rewrites.output_boundary``)."""
     count = 0
     for step in reversed(steps):
         if step.kind != "all_reduce":
@@ -726,7 +726,7 @@ def fsdp_group_shares(
 
 def gathered_itemsize(precision: str, dtype: str, cast: bool) -> int:
     """Bytes per value of a parameter as the runtime gathers it: in the compute dtype where
-    its working copy is cast (a weight only matmuls read, ``passes.mixed_precision``), else
+    its working copy is cast (a weight only matmuls read, ``autopar_passes.mixed_precision``), else
     as stored (fp32 under mixed precision: norms and embeddings)."""
     if cast:
         return precision_policy(precision).param

@@ -8,7 +8,7 @@ Two reductions (DESIGN.md, "The solver"), both exact:
   variable of its own, its strategy is a function of the producer's choice (``mapping``).
   ``getitem`` always follows its producer.
 - **Identical layers share one decision.** Each node of a repeated layer takes the decision
-  of its representative (``passes.layer_sharing``); the decision's costs are summed over its
+  of its representative (``autopar_passes.layer_sharing``); the decision's costs are summed over its
   members. A follower's mapping is relative to its producer's decision, so a follower joins
   its representative only when their producers are represented alike; where they are not
   (the first layer of a class reads the layer before it, of another class, where the
@@ -16,7 +16,7 @@ Two reductions (DESIGN.md, "The solver"), both exact:
   producers match (``Decisions.representatives``), or the copy's sharded input would be
   priced and lowered as the representative's.
 
-Reads ``NodeChoices`` (``passes.strategies.graph``) and the representatives; writes
+Reads ``NodeChoices`` (``autopar_passes.strategies.graph``) and the representatives; writes
 ``Decision`` (one per ILP one-hot variable group) and ``Binding`` (per node: which decision
 it takes and how).
 """
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from passes.strategies.graph import NodeChoices, TensorInput
-from passes.strategies.types import Strategy
-from plans.placement import Layout
+from autopar_passes.strategies.graph import NodeChoices, TensorInput
+from autopar_passes.strategies.types import Strategy
+from autopar_plans.placement import Layout
 
 
 @dataclass

@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from passes.graph_edit import copy_meta as _copy_meta
-from passes.graph_edit import set_val as _set_val
+from autopar_passes.graph_edit import copy_meta as _copy_meta
+from autopar_passes.graph_edit import set_val as _set_val
 
 aten = torch.ops.aten
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from passes.strategies.graph import NodeChoices
+from autopar_passes.strategies.graph import NodeChoices
 
 BATCHED = {"aten.bmm.default", "aten.matmul.default"}
 

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from passes.graph_edit import copy_meta, set_val
+from autopar_passes.graph_edit import copy_meta, set_val
 
 aten = torch.ops.aten
 

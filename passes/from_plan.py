@@ -1,6 +1,6 @@
 """Read a plan's decisions back onto a traced graph, for the lowering.
 
-The lowering always works from a ``plans.Plan`` (fresh from the solver or loaded from a
+The lowering always works from a ``autopar_plans.Plan`` (fresh from the solver or loaded from a
 file), so a saved plan and a new one take the same path. Each op's strategy is found among
 the candidates its rule offers by the layouts the plan recorded; a plan made for another
 model or mesh is refused with a message naming the first node that does not match.
@@ -16,13 +16,13 @@ import operator
 from collections import Counter
 from collections.abc import Mapping
 
-from passes.annotation import META_KEY
-from passes.strategies.graph import graph_choices, tensor_inputs
-from passes.strategies.types import Strategy
-from passes.trace import TracedModel
-from plans.errors import PlanFileError
-from plans.placement import REPLICATE, Layout, Partial
-from plans.plan import Plan
+from autopar_passes.annotation import META_KEY
+from autopar_passes.strategies.graph import graph_choices, tensor_inputs
+from autopar_passes.strategies.types import Strategy
+from autopar_passes.trace import TracedModel
+from autopar_plans.errors import PlanFileError
+from autopar_plans.placement import REPLICATE, Layout, Partial
+from autopar_plans.plan import Plan
 
 
 class PlanLayouts:

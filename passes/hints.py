@@ -1,10 +1,10 @@
 """Hints on a traced model: checked against it, then turned into the solver's constraints.
 
-Reads a ``plans.Hints`` (the file, validated), the ``TracedModel`` and the mesh; writes a
+Reads a ``autopar_plans.Hints`` (the file, validated), the ``TracedModel`` and the mesh; writes a
 ``ResolvedHints``: every hint matched to the nodes it constrains, and
 
-- ``constraints(base)``: a constraints factory for ``SolveRequest`` (``passes.solve``). Every
-  layout and ban is a predicate ``(node, choices, strategy) -> bool``, so the ILP sets
+- ``constraints(base)``: a constraints factory for ``SolveRequest`` (``autopar_passes.solve``).
+  Every layout and ban is a predicate ``(node, choices, strategy) -> bool``, so the ILP sets
   ``s[d, k] = 0`` for what a hint forbids and completes the rest of the plan around it;
   nothing is edited after solving;
 - ``apply(request)``: a ``PipelineRequest`` with the constraints, the memory limit and the
@@ -19,9 +19,9 @@ the module hands to a node outside it, where ``null`` also admits a pending sum
 (``Partial``: a row-parallel projection's output, reduced where it is read whole). A spec may
 be shorter than the tensor's dims (the
 rest are ``null``), never longer. Identical layers share one decision in the ILP
-(``passes.layer_sharing``), so a hint on ``layers.0`` binds every layer identical to it.
+(``autopar_passes.layer_sharing``), so a hint on ``layers.0`` binds every layer identical to it.
 
-**Meshes of more than two axes** are solved as 2-d groupings (``passes.solve.group_axes``):
+**Meshes of more than two axes** are solved as 2-d groupings (``autopar_passes.solve.group_axes``):
 an axis group behaves as one axis, so a layout holds on a grouping only when it places every
 (non-trivial) member of a group alike; on a grouping where it cannot hold, the hint's nodes
 have no allowed choice and that grouping is infeasible. A ban on an axis applies to its
@@ -38,28 +38,28 @@ from functools import partial
 
 import torch
 
-from passes.annotation import META_KEY, NodeAnnotation
-from passes.decisions import Decisions, group_decisions
-from passes.layer_sharing import layer_representatives
-from passes.pipeline.search import PipelineRequest, plan_pipeline
-from passes.plan_build import MATMULS, is_residual_add
-from passes.recompute import RecomputeHint
-from passes.solve import Constraint, Constraints, group_axes, grouped_mesh, no_constraints
-from passes.strategies.graph import NodeChoices, graph_choices, tensor_inputs
-from passes.strategies.types import Strategy
-from passes.trace import TracedModel
-from plans.errors import HintError, InfeasiblePlanError, UsageError
-from plans.hints import (
+from autopar_passes.annotation import META_KEY, NodeAnnotation
+from autopar_passes.decisions import Decisions, group_decisions
+from autopar_passes.layer_sharing import layer_representatives
+from autopar_passes.pipeline.search import PipelineRequest, plan_pipeline
+from autopar_passes.plan_build import MATMULS, is_residual_add
+from autopar_passes.recompute import RecomputeHint
+from autopar_passes.solve import Constraint, Constraints, group_axes, grouped_mesh, no_constraints
+from autopar_passes.strategies.graph import NodeChoices, graph_choices, tensor_inputs
+from autopar_passes.strategies.types import Strategy
+from autopar_passes.trace import TracedModel
+from autopar_plans.errors import HintError, InfeasiblePlanError, UsageError
+from autopar_plans.hints import (
     Hint,
     HintConflictError,
     Hints,
     closest_names,
     name_matches,
 )
-from plans.mesh import MeshSpec
-from plans.placement import Layout, Partial, Replicate, Shard, layout_from_spec
-from plans.plan import Plan
-from plans.units import format_bytes
+from autopar_plans.mesh import MeshSpec
+from autopar_plans.placement import Layout, Partial, Replicate, Shard, layout_from_spec
+from autopar_plans.plan import Plan
+from autopar_plans.units import format_bytes
 
 EMBEDDINGS = {"aten.embedding.default"}
 # the hints that constrain the plan; a conflict is a set of these
@@ -478,7 +478,7 @@ def _ban_rule(
     strategy: Strategy,
 ) -> bool:
     """Whether ``strategy`` is free of the banned kind of parallelism on ``axis`` (the
-    predicates of ``plans.hints.BAN_KINDS``)."""
+    predicates of ``autopar_plans.hints.BAN_KINDS``)."""
     if kind == "fsdp":
         return choices.kind != "param" or not isinstance(strategy.outputs[0][axis], Shard)
     if kind == "sequence_parallel":
@@ -502,7 +502,7 @@ def _ban_rule(
 def _groups_of(mesh: MeshSpec, user: MeshSpec) -> tuple[tuple[int, ...], ...]:
     """Which of the user's axes each axis of ``mesh`` stands for: ``mesh`` is the user's
     mesh, one pipeline stage of it (same names), or a grouping of either (names joined
-    with ``_``, ``passes.solve.grouped_mesh``)."""
+    with ``_``, ``autopar_passes.solve.grouped_mesh``)."""
     names = user.axis_names
     if mesh.axis_names == names:
         return tuple((a,) for a in range(len(names)))
@@ -717,7 +717,7 @@ def forbidden_choices(
     decisions: Decisions, rules: Sequence[Constraint], nodes: Iterable[str] | None = None
 ) -> dict[str, set[int]]:
     """Decision -> the choices that some bound node's rule rejects (the complement of
-    ``passes.solve.allowed_choices`` for one set of rules); ``nodes`` limits the nodes
+    ``autopar_passes.solve.allowed_choices`` for one set of rules); ``nodes`` limits the nodes
     asked (the ones a layout hint names)."""
     found: dict[str, set[int]] = {}
     if not rules:

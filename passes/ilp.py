@@ -1,6 +1,6 @@
 """The intra-op ILP: choose one strategy per decision, minimising step time under memory.
 
-Variables (``passes.decisions`` made them few):
+Variables (``autopar_passes.decisions`` made them few):
 
 - ``s[d, k]`` binary: decision ``d`` takes choice ``k``; ``sum_k s[d, k] = 1``. Decisions
   with one choice are constants, not variables.
@@ -18,7 +18,7 @@ Variables (``passes.decisions`` made them few):
   parameter gathers have their own rows, ``PrefetchLink``) that one microbatch's
   backward cannot hide: gradients are synchronised in ``k`` buckets (the runtime's DDP
   buckets), each launched when full, so all but the last can hide behind the backward
-  still to run (``cost_model.step.exposed_gradient_sync``). A step runs ``P`` such passes
+  still to run (``autopar_cost_model.step.exposed_gradient_sync``). A step runs ``P`` such passes
   (``sync_passes``: once, in the last microbatch's backward; ZeRO-2: every microbatch's).
 
 Objective::
@@ -44,12 +44,12 @@ Constraints::
         what the recomputed layer copies give back, ``RecomputeTerm``)
     s[d,k] = 0 for k not in allowed[d]               (forced strategies and hints)
     objective <= cutoff                              (optional: "beat this or say so",
-        which the solver proves fast; ``passes.solve`` chains ZeRO stages with it)
+        which the solver proves fast; ``autopar_passes.solve`` chains ZeRO stages with it)
     objective - P t <= work cutoff                     (optional: the same on compute and
         resharding alone, which a pipeline of the plan's stages cannot hide; the
-        pipeline search's bound, ``passes.pipeline.search``)
+        pipeline search's bound, ``autopar_passes.pipeline.search``)
 
-HiGHS solves it (``passes.mip``: the model as arrays, given to highspy whole); CBC,
+HiGHS solves it (``autopar_passes.mip``: the model as arrays, given to highspy whole); CBC,
 through PuLP, is the fallback. The status, time,
 gap and problem size are returned, never hidden.
 
@@ -70,8 +70,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from passes.mip import Lin, Mip
-from plans.plan import SolverReport
+from autopar_passes.mip import Lin, Mip
+from autopar_plans.plan import SolverReport
 
 Matrix = dict[tuple[int, int], float]
 GIB = 2.0**30  # memory rows are written in GiB: coefficients of one magnitude with times
@@ -92,7 +92,7 @@ class EdgeTerm:
 
 @dataclass
 class RecomputeTerm:
-    """A recompute candidate repeated in ``copies`` identical layers (``passes.recompute``).
+    """A recompute candidate repeated in ``copies`` identical layers (``autopar_passes.recompute``).
 
     The copies share their strategies, so what matters is how many are recomputed, ``n``,
     not which: ``n = sum_b 2^b r[b]`` in binary digits ``r[b]`` (7 binaries for 96 layers,
@@ -135,7 +135,7 @@ class RecomputeTerm:
 class RecomputeBudget:
     """Regions of one layer class of which at most one applies per layer (the full layer
     and selective regions that share ops): ``sum_regions n <= copies``. Which copies each
-    takes is ``passes.recompute.chosen_layers``."""
+    takes is ``autopar_passes.recompute.chosen_layers``."""
 
     regions: tuple[str, ...]
     copies: int
@@ -179,13 +179,13 @@ class GroupCall:
 @dataclass
 class PrefetchLink:
     """A parameter gather the runtime prefetches behind the part before it (FSDP2's
-    prefetch, ``runtime.param_groups``; ``cost_model.step.prefetch_waits``): of its
+    prefetch, ``runtime.param_groups``; ``autopar_cost_model.step.prefetch_waits``): of its
     seconds ``G`` (linear in the members: edge pairs, ``edges``, choices of decisions whose
     edge is inside them, ``choices``, and group calls' fixed costs, ``calls``), the part before
     hides what compute hides of it, its compute at its least (``hiding``, ``C``, a constant
     as the gradient sync's ``B_min``). With ``f`` the share compute hides
     (``IlpProblem.overlap``) it waits ``(1 - f) G + f max(0, G - C)``: the edges carry
-    ``(1 - f) G`` (``passes.problem`` takes ``f G`` off them) and, with ``w >= 0``::
+    ``(1 - f) G`` (``autopar_passes.problem`` takes ``f G`` off them) and, with ``w >= 0``::
 
         w >= G - C,    objective: + f weight w
 
@@ -216,7 +216,7 @@ class PrefetchLink:
 
 @dataclass
 class IlpProblem:
-    """Coefficients per decision choice and per edge, as ``passes.solve`` builds them."""
+    """Coefficients per decision choice and per edge, as ``autopar_passes.solve`` builds them."""
 
     choices: dict[str, int]  # decision -> number of choices
     cost: dict[str, list[float]] = field(default_factory=dict)
@@ -422,7 +422,7 @@ def solve_ilp(
     # HiGHS took 4x longer on llama3-8b 8x8); the plan's estimate uses the chosen backward
     hiding = sum(min(row) for row in problem.hidden_by.values() if row)
     k = max(problem.buckets, 1)
-    hides = problem.overlap * (k - 1) / k  # cost_model.step.exposed_gradient_sync
+    hides = problem.overlap * (k - 1) / k  # autopar_cost_model.step.exposed_gradient_sync
     if not problem.hide_all:
         model.at_most(overlapped.minus(hides * hiding), exposed)
         model.at_most(overlapped.scaled(1 - hides), exposed)

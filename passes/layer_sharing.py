@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from passes.annotation import META_KEY
+from autopar_passes.annotation import META_KEY
 
 
 def layer_representatives(graph: torch.fx.Graph) -> dict[str, str]:

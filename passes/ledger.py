@@ -1,30 +1,30 @@
-"""The plan's communication ledger (``plans.ledger``): every collective one training step
+"""The plan's communication ledger (``autopar_plans.ledger``): every collective one training step
 issues, read off the plan as the runtime lowers and runs it.
 
-The walk over the graph is the lowering's (``passes.lower_spmd``): one reshard per
-(tensor, layout), shared by its consumers, each the steps of ``plans.reshard.plan_reshard``;
+The walk over the graph is the lowering's (``autopar_passes.lower_spmd``): one reshard per
+(tensor, layout), shared by its consumers, each the steps of ``autopar_plans.reshard.plan_reshard``;
 outputs made whole. Then what the runtime does with the lowered program:
 
 - **forward**, every microbatch: each reshard's collectives, one call per mesh axis;
 - **backward**, every microbatch, for tensors that need a gradient: each collective's
   adjoint in reverse order (all-gather <-> reduce-scatter, all-reduce <-> all-reduce,
   all-to-all <-> all-to-all, the same payload), except the output all-reduces whose adjoint
-  ``passes.rewrites.output_boundary`` skips;
+  ``autopar_passes.rewrites.output_boundary`` skips;
 - **FSDP groups** (``runtime.param_groups``): a parameter's all-gather straight from its
   shard is gathered with the others of its (mesh axis, dtype, layer) in one call, its
   adjoint one reduce-scatter; a group whose gathered weights an op keeps for backward is
   gathered again there, once (``runtime.regather``);
 - **gradient sync**, once per step in the last backward: DDP's buckets
-  (``plans.buckets.ddp_buckets``) of the parameters replicated over mesh axes, one
+  (``autopar_plans.buckets.ddp_buckets``) of the parameters replicated over mesh axes, one
   all-reduce per bucket and axis (``runtime.grad_sync``);
-- **ZeRO-1/2** (``runtime.zero``): per bucket (``plans.buckets.open_buckets``), the
+- **ZeRO-1/2** (``runtime.zero``): per bucket (``autopar_plans.buckets.open_buckets``), the
   gradient sum (reduce-scatter; ZeRO-2: in every microbatch's backward; ZeRO-1: once per
   step, of the gradient accumulated locally) and the all-gather of the stepped masters
   before the next forward.
 
-Payloads follow ``plans.ledger``; what a call takes and whether compute hides it follow the
+Payloads follow ``autopar_plans.ledger``; what a call takes and whether compute hides it follow the
 cost model: reshards block (overlap ``none``); gradient sync and ZeRO's sums overlap the
-backward (``cost_model.step.exposed_gradient_sync`` says how much stays exposed).
+backward (``autopar_cost_model.step.exposed_gradient_sync`` says how much stays exposed).
 """
 
 from __future__ import annotations
@@ -36,26 +36,26 @@ from dataclasses import dataclass
 
 import torch
 
-from cost_model.collectives import MeshCost
-from cost_model.compute import op_time
-from cost_model.step import exposed_gradient_sync, prefetch_waits
-from passes.annotation import META_KEY
-from passes.costs import CostModel, bucket_copy_bytes, trailing_all_reduces, zero_copy_bytes
-from passes.from_plan import PlanLayouts
-from passes.mixed_precision import (
+from autopar_cost_model.collectives import MeshCost
+from autopar_cost_model.compute import op_time
+from autopar_cost_model.step import exposed_gradient_sync, prefetch_waits
+from autopar_passes.annotation import META_KEY
+from autopar_passes.costs import CostModel, bucket_copy_bytes, trailing_all_reduces, zero_copy_bytes
+from autopar_passes.from_plan import PlanLayouts
+from autopar_passes.mixed_precision import (
     COMPUTE,
     LOW_PRECISION_OPS,
     autocast_dtypes,
     cast_for_gather,
 )
-from passes.strategies.graph import tensor_inputs
-from passes.trace import TracedModel
-from plans.buckets import ddp_buckets, open_buckets
-from plans.ledger import CommEntry, sent
-from plans.mesh import MeshSpec
-from plans.placement import Layout, Replicate, Shard, zero_axes
-from plans.plan import Estimate, ParamPlan, Plan
-from plans.reshard import AxisStep, plan_reshard
+from autopar_passes.strategies.graph import tensor_inputs
+from autopar_passes.trace import TracedModel
+from autopar_plans.buckets import ddp_buckets, open_buckets
+from autopar_plans.ledger import CommEntry, sent
+from autopar_plans.mesh import MeshSpec
+from autopar_plans.placement import Layout, Replicate, Shard, zero_axes
+from autopar_plans.plan import Estimate, ParamPlan, Plan
+from autopar_plans.reshard import AxisStep, plan_reshard
 
 ADJOINT = {
     "all_gather": "reduce_scatter",
@@ -203,7 +203,7 @@ class Ledger:
 
 def step_ledger(traced: TracedModel, plan: Plan, *, batch_scale: float = 1.0) -> list[CommEntry]:
     """The ledger of one step of ``plan`` (without pipeline stages: those are
-    ``passes.pipeline.ledger``'s) on ``traced``.
+    ``autopar_passes.pipeline.ledger``'s) on ``traced``.
 
     ``batch_scale``: the microbatch over the traced batch, when the plan runs a microbatch
     of another size than was traced (activations scale, parameters do not)."""
@@ -231,7 +231,7 @@ def reshard_entries(
     groups, singles = _fsdp_groups(traced, plan, reshards, cast)
     gathers, regathers = [], []  # (entry index, part) of the groups' gathers, in order
     for (axis, _, place), members in groups.items():
-        # gathered in the compute dtype when its parameters are (passes.mixed_precision)
+        # gathered in the compute dtype when its parameters are (autopar_passes.mixed_precision)
         dtype = compute if compute and members[0].param in cast else members[0].dtype
         nbytes = sum(r.calls[0].elements for r in members) * itemsize(dtype)
         what = f"{place}, {len(members)} params"
@@ -257,7 +257,7 @@ def hide_prefetched(ledger: Ledger, chain: list[tuple[int, str]], forward: bool)
     """The FSDP groups' gathers of ``chain`` (entry index, part; in the order the runtime
     makes them) as prefetched (``runtime.param_groups``): each launched while the group
     before it in the chain computes, the first behind nothing
-    (``cost_model.step.prefetch_waits``, with compute hiding the preset's share of what
+    (``autopar_cost_model.step.prefetch_waits``, with compute hiding the preset's share of what
     runs beside it); ``forward``: the forward's gathers, behind each part's forward, else
     the backward's regathers (last layer first), behind each part's backward. Each
     entry shows what its part waits for it (``prefetch_waits``)."""
@@ -299,7 +299,7 @@ def place_compute(walk: Walk) -> dict[str, tuple[float, float]]:
 
 
 class Walk:
-    """The lowering's walk (``passes.lower_spmd``), keeping the reshards instead of
+    """The lowering's walk (``autopar_passes.lower_spmd``), keeping the reshards instead of
     emitting them."""
 
     def __init__(self, traced: TracedModel, plan: Plan, mesh: MeshSpec, scale: float) -> None:
@@ -340,7 +340,7 @@ class Walk:
 
     def _outputs(self, node: torch.fx.Node) -> None:
         """Outputs are made whole; the all-reduces that end an output's reshard skip their
-        adjoint (``passes.rewrites.output_boundary``)."""
+        adjoint (``autopar_passes.rewrites.output_boundary``)."""
         whole = Layout.replicated(self.mesh.ndim)
         for value in _flat_nodes(node.args[0]):
             if not isinstance(value.meta.get("val"), torch.Tensor):
@@ -376,7 +376,7 @@ class Walk:
         return made
 
     def _calls(self, steps: tuple[AxisStep, ...], elements: float) -> Iterator[_Call]:
-        """Each collective step's payload (``plans.ledger``): the tensor divided by the
+        """Each collective step's payload (``autopar_plans.ledger``): the tensor divided by the
         other axes that split it then; an all-to-all's, by its own axis too."""
         shape = self.mesh.shape
         for step in steps:
@@ -406,7 +406,7 @@ class Walk:
     def dtype_of(self, dtype: str, param: str | None, producer: str) -> str:
         """What a tensor travels as: a parameter as stored (fp32 masters under mixed
         precision; a group may cast it, ``step_ledger``); an activation as autocast makes
-        it (``passes.mixed_precision.autocast_dtypes``), else as the plan's precision
+        it (``autopar_passes.mixed_precision.autocast_dtypes``), else as the plan's precision
         stores it."""
         if param is not None:
             return "bfloat16" if self.plan.precision == "bf16" and dtype == "float32" else dtype
@@ -560,7 +560,7 @@ def zero_entries(
     (all-reduce) and the ZeRO axes (reduce-scatter; ZeRO-2: in every microbatch's backward;
     ZeRO-1: once per step, in the last), and the masters gathered back before the next
     forward, in the working copy's dtype: the compute dtype under mixed precision for
-    ``cast`` (parameters only matmuls read, ``passes.mixed_precision``)."""
+    ``cast`` (parameters only matmuls read, ``autopar_passes.mixed_precision``)."""
     mesh_shape = ledger.cost.mesh.shape
     parts = part_of or {}
     members, names = [], []
@@ -635,7 +635,7 @@ def hide_overlapped(
 ) -> list[CommEntry]:
     """``entries`` with the exposed seconds of those backward may hide (gradient sync,
     ZeRO's sums), as the runtime runs them: each microbatch's backward hides what it
-    launches, bucket by bucket (``cost_model.step.exposed_gradient_sync``, ``backward_s``
+    launches, bucket by bucket (``autopar_cost_model.step.exposed_gradient_sync``, ``backward_s``
     one microbatch's backward): every microbatch, the sums paid per microbatch (ZeRO-2);
     the last, those paid once a step as well (DDP's sync, ZeRO-1's). ``slack_s``: idle
     time after the last backward that hides the rest (a pipeline stage that finishes

@@ -1,6 +1,6 @@
 """The recompute lowering: wrap a plan's recompute regions in activation checkpoints.
 
-Reads a lowered program (``passes.lower_spmd``: its op nodes keep the traced graph's names)
+Reads a lowered program (``autopar_passes.lower_spmd``: its op nodes keep the traced graph's names)
 and the plan's ``RecomputeRegion``s; writes the program with each region (in each layer the
 plan applies it to) moved into a submodule that runs under non-reentrant
 ``torch.utils.checkpoint`` (``Recompute``): its forward keeps only the region's inputs, and
@@ -21,7 +21,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from plans.plan import RecomputeRegion
+from autopar_plans.plan import RecomputeRegion
 
 
 class Recompute(nn.Module):

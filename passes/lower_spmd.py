@@ -7,12 +7,12 @@ mesh coordinates ``coords``, a new ``torch.fx.Graph`` in which
   runtime fills with the shard), a buffer or constant is replicated (``get_attr``), a user
   input is a ``placeholder`` in the layout ``layout_of`` gives it (whole by default; a
   slice with ``PlanLayouts(local_inputs=True)``);
-- every op runs on local tensors (``passes.strategies.localize``: local shape arguments, or
-  a special local op of ``passes.local_ops``);
+- every op runs on local tensors (``autopar_passes.strategies.localize``: local shape arguments, or
+  a special local op of ``autopar_passes.local_ops``);
 - on every edge where the producer's layout is not the layout the consumer needs, the
-  reshard is emitted (``emit_reshard``: the steps of ``plans.reshard.plan_reshard``, which
+  reshard is emitted (``emit_reshard``: the steps of ``autopar_plans.reshard.plan_reshard``, which
   the cost model priced): free local steps (slice, zero, pad) as calls into
-  ``passes.local_ops`` with this device's coordinates baked in, collectives as calls to
+  ``autopar_passes.local_ops`` with this device's coordinates baked in, collectives as calls to
   submodules named ``<collective>_<axis>`` (``all_gather_tp``) that the runtime provides;
   one reshard per (tensor, layout) is shared by all consumers;
 - each output is brought back whole on every device, or with ``sharded_outputs`` left in
@@ -45,14 +45,14 @@ from typing import Any
 
 import torch
 
-from passes import local_ops
-from passes.annotation import META_KEY
-from passes.strategies.localize import localize
-from passes.strategies.types import Strategy
-from passes.trace import TracedModel
-from plans.mesh import MeshSpec
-from plans.placement import REPLICATE, Layout, Partial, Replicate, Shard
-from plans.reshard import AxisStep, plan_reshard
+from autopar_passes import local_ops
+from autopar_passes.annotation import META_KEY
+from autopar_passes.strategies.localize import localize
+from autopar_passes.strategies.types import Strategy
+from autopar_passes.trace import TracedModel
+from autopar_plans.mesh import MeshSpec
+from autopar_plans.placement import REPLICATE, Layout, Partial, Replicate, Shard
+from autopar_plans.reshard import AxisStep, plan_reshard
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
@@ -70,10 +70,10 @@ class LoweredGraph:
     counts: dict[str, int] = field(default_factory=dict)  # collective kind -> calls in forward
     outputs: list[Layout | None] = field(default_factory=list)  # per flat output; None: no tensor
     # lowered node -> the traced node whose value it computes (ops, getitems, user inputs);
-    # reshards and local steps have none (``passes.lower_stages`` places them by consumer)
+    # reshards and local steps have none (``autopar_passes.lower_stages`` places them by consumer)
     sources: dict[torch.fx.Node, str] = field(default_factory=dict)
     # the last node of each reshard -> (the traced node resharded, the layout it is made
-    # into): what the plan's ledger (``passes.ledger``) calls that reshard
+    # into): what the plan's ledger (``autopar_passes.ledger``) calls that reshard
     reshards: dict[str, tuple[str, Layout]] = field(default_factory=dict)
 
 
@@ -203,7 +203,7 @@ class _Lowering:
 
         args = fetch(node.args)
         kwargs = fetch(dict(node.kwargs))
-        from passes.strategies.graph import op_call
+        from autopar_passes.strategies.graph import op_call
 
         call = op_call(node)
         fn, local_args, local_kwargs = localize(
@@ -290,7 +290,7 @@ def emit_reshard(
     collective: Callable[..., torch.fx.Node],
 ) -> torch.fx.Node:
     """Append to ``graph`` what the device at ``coords`` runs to turn ``x`` from ``have``
-    into ``want``: the planner's steps (``plans.reshard``), the ones the cost model priced.
+    into ``want``: the planner's steps (``autopar_plans.reshard``), the ones the cost model priced.
     ``collective(kind, axis, x, *dims)`` adds a collective's node."""
     if any(isinstance(p, Partial) and p.reduce_op != "sum" for p in (*have, *want)):
         raise NotImplementedError(f"only partial sums are lowered, not {have} -> {want}")

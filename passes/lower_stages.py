@@ -7,11 +7,11 @@ are ``pp * v`` stages and stage ``c`` runs on physical stage ``c % pp``. Physica
 ``s`` owns the global ranks ``[s k, (s + 1) k)`` with ``k`` devices per stage, in the stage
 mesh's row-major order, so the rank's coordinates on the stage mesh are those of ``rank - s k``.
 
-The device's program is lowered once on the stage mesh (``passes.lower_spmd``), then split:
+The device's program is lowered once on the stage mesh (``autopar_passes.lower_spmd``), then split:
 
 - an op goes to the stage of its layer (``node.meta["autopar"].layer``); an op outside the
   layers that comes before the first layer's first node (embeddings) goes to the first
-  stage, one after (final norm, head, loss) to the last, as ``passes.pipeline.layer_costs``
+  stage, one after (final norm, head, loss) to the last, as ``autopar_passes.pipeline.layer_costs``
   costs them; ``getitem`` goes with the op it reads;
 - a reshard (local step or collective) goes with its first consumer, so what crosses a cut
   is the producer's local tensor in the producer's layout; the consumer reshards it. The
@@ -49,12 +49,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from passes.annotation import META_KEY
-from passes.lower_spmd import LoweredGraph
-from passes.trace import TracedModel
-from plans.errors import PlanFileError
-from plans.mesh import MeshSpec
-from plans.plan import Plan
+from autopar_passes.annotation import META_KEY
+from autopar_passes.lower_spmd import LoweredGraph
+from autopar_passes.trace import TracedModel
+from autopar_plans.errors import PlanFileError
+from autopar_plans.mesh import MeshSpec
+from autopar_plans.plan import Plan
 
 
 @dataclass

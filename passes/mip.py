@@ -1,6 +1,6 @@
 """A mixed-integer linear program held as arrays, the form HiGHS reads, and its solve.
 
-``passes.ilp`` writes the planner's ILP term by term. Written through PuLP's expression
+``autopar_passes.ilp`` writes the planner's ILP term by term. Written through PuLP's expression
 algebra, building it took longer than HiGHS took to solve it (llama-tiny over 8 devices:
 260,000 pair variables, each a named Python object, each product of a coefficient and a
 variable a new expression): here a variable is a column index and an expression a dict

@@ -7,7 +7,7 @@ of fp32, and the op finds its weight already cast. autopar runs mixed precision 
 when every op that reads it is one autocast runs in the compute dtype anyway (a matmul's
 weight): then the values are those of the single-device autocast run. Norm weights, biases
 and embeddings are gathered in fp32. The runtime (``runtime.param_groups``) and the plan's
-ledger (``passes.ledger``) both ask this module.
+ledger (``autopar_passes.ledger``) both ask this module.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from passes.annotation import META_KEY
-from passes.probe import storage_id, tensor_leaves
-from passes.trace import TracedModel
+from autopar_passes.annotation import META_KEY
+from autopar_passes.probe import storage_id, tensor_leaves
+from autopar_passes.trace import TracedModel
 
 # ops autocast runs in the compute dtype, on CPU and CUDA alike (casting every input)
 LOW_PRECISION_OPS = frozenset(
@@ -118,7 +118,7 @@ class AutocastSaved:
     """What autograd keeps for backward when the model runs under a mixed precision's
     autocast, per node of the trace, in bytes of the whole (unsharded) tensors.
 
-    The probe of each op (``passes.probe``) runs it in the traced dtypes; under autocast an
+    The probe of each op (``autopar_passes.probe``) runs it in the traced dtypes; under autocast an
     op of the lower-precision list keeps 16-bit *copies* of its fp32 inputs rather than the
     inputs, and a norm's fp32 output stays fp32. One run of the whole graph on fake tensors
     under autocast tells them apart:

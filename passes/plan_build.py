@@ -1,4 +1,4 @@
-"""Write the solver's choices down as a ``plans.Plan``, with the cost model's estimate.
+"""Write the solver's choices down as a ``autopar_plans.Plan``, with the cost model's estimate.
 
 Reads the ``TracedModel`` and the ``Solved`` result; writes per-parameter layouts (value,
 gradient, optimizer state), per-op strategies, the parallelism summary read off the chosen
@@ -10,20 +10,20 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from cost_model.compute import peak_flops
-from cost_model.reshard import Reshard
-from cost_model.step import exposed_gradient_sync, mfu
-from passes.annotation import META_KEY
-from passes.costs import dual, zero_layout_of
-from passes.experts import expert_matmul
-from passes.problem import is_regathered
-from passes.recompute import chosen_layers
-from passes.solve import Solved
-from passes.strategies.graph import NodeChoices
-from passes.trace import TracedModel
-from plans.mesh import MeshSpec
-from plans.placement import REPLICATE, Layout, Replicate, Shard
-from plans.plan import (
+from autopar_cost_model.compute import peak_flops
+from autopar_cost_model.reshard import Reshard
+from autopar_cost_model.step import exposed_gradient_sync, mfu
+from autopar_passes.annotation import META_KEY
+from autopar_passes.costs import dual, zero_layout_of
+from autopar_passes.experts import expert_matmul
+from autopar_passes.problem import is_regathered
+from autopar_passes.recompute import chosen_layers
+from autopar_passes.solve import Solved
+from autopar_passes.strategies.graph import NodeChoices
+from autopar_passes.trace import TracedModel
+from autopar_plans.mesh import MeshSpec
+from autopar_plans.placement import REPLICATE, Layout, Replicate, Shard
+from autopar_plans.plan import (
     Estimate,
     MemoryBreakdown,
     OpPlan,
@@ -49,7 +49,7 @@ def expand_layout(
     layout: Layout, groups: tuple[tuple[int, ...], ...], mesh_shape: tuple[int, ...]
 ) -> Layout:
     """A layout on a grouped mesh as the same layout on the mesh's own axes: each grouped
-    axis's placement on every axis of its group (``passes.solve.group_axes``); on an axis
+    axis's placement on every axis of its group (``autopar_passes.solve.group_axes``); on an axis
     of one device every placement is the whole tensor, written ``Replicate`` (a shard of
     one, or a partial sum of one term, would make the lowering split or sum for nothing)."""
     placements = [layout[i] for i, group in enumerate(groups) for _ in group]
@@ -97,7 +97,7 @@ def _recompute_regions(
     traced: TracedModel, solved: Solved, microbatches: int
 ) -> tuple[RecomputeRegion, ...]:
     """The regions the solver chose to recompute, with the layers they apply in
-    (``passes.recompute.chosen_layers``)."""
+    (``autopar_passes.recompute.chosen_layers``)."""
     found = []
     module_of = {node.name: node.meta[META_KEY].module for node in traced.graph.nodes}
     layers_of = chosen_layers(solved.regions, solved.recompute)
@@ -199,7 +199,7 @@ def _parallelism(
     tokens); tensor-parallel when most have their weight sharded on it and the activation
     not; sequence-parallel when, on a tensor-parallel axis, residual adds are sharded on
     dim 1 (the sequence) between the tensor-parallel matmuls. Expert matmuls
-    (``passes.experts``) are counted apart: an axis is expert-parallel when most of their
+    (``autopar_passes.experts``) are counted apart: an axis is expert-parallel when most of their
     FLOPs have the expert weight sharded on its expert dim; dp and tp are read off the
     other matmuls. An axis that splits some matmuls but most in none of these ways is
     ``mixed``.
@@ -317,7 +317,7 @@ def _estimate(
     compute = sum(parts.compute_fwd[d][k] + parts.compute_bwd[d][k] for d, k in choice.items())
     inline = parts.edge_time(choice)
     # the sync of one pass, hidden behind one microbatch's backward, ``sync_passes`` times
-    # a step (``passes.problem``); ZeRO's gathers after the optimizer step, exposed
+    # a step (``autopar_passes.problem``); ZeRO's gathers after the optimizer step, exposed
     passes = parts.problem.sync_passes
     sync = sum(parts.sync[d][k] for d, k in choice.items()) * passes
     after_step = sum(parts.after_step[d][k] for d, k in choice.items())

@@ -29,7 +29,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from cost_model.flops import cpu_flash_flop_mapping
+from autopar_cost_model.flops import cpu_flash_flop_mapping
 
 aten = torch.ops.aten
 

@@ -24,11 +24,11 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from passes.annotation import TensorInfo
-from passes.costs import CallKey, CostModel
-from passes.decisions import Decisions
-from passes.ilp import EdgeTerm, GroupCall, IlpProblem, Matrix, PrefetchLink
-from plans.placement import Layout
+from autopar_passes.annotation import TensorInfo
+from autopar_passes.costs import CallKey, CostModel
+from autopar_passes.decisions import Decisions
+from autopar_passes.ilp import EdgeTerm, GroupCall, IlpProblem, Matrix, PrefetchLink
+from autopar_plans.placement import Layout
 
 
 @dataclass(frozen=True)

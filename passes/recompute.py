@@ -2,7 +2,7 @@
 
 Activation memory is where a plan first stops fitting. A region of a layer can give up the
 tensors autograd would save for it and run its forward again during backward
-(``torch.utils.checkpoint``). Candidates, per repeated layer (``passes.layer_sharing``):
+(``torch.utils.checkpoint``). Candidates, per repeated layer (``autopar_passes.layer_sharing``):
 
 - ``full``: the whole layer (Megatron's full recompute); it keeps only its input, which the
   layer before it produced and which stays anyway.
@@ -35,12 +35,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from passes.annotation import META_KEY
-from passes.costs import CostModel
-from passes.decisions import Decisions
-from passes.ilp import Matrix, RecomputeBudget, RecomputeTerm
-from passes.problem import KeptCopy
-from plans.errors import HintError
+from autopar_passes.annotation import META_KEY
+from autopar_passes.costs import CostModel
+from autopar_passes.decisions import Decisions
+from autopar_passes.ilp import Matrix, RecomputeBudget, RecomputeTerm
+from autopar_passes.problem import KeptCopy
+from autopar_plans.errors import HintError
 
 # element-wise ops that make wide activations cheaply
 SELECTIVE_OPS = {
@@ -446,7 +446,7 @@ def apply_recompute_hints(
     ``M``, the largest candidate inside it (the whole layer if ``M`` is a layer, the
     selective region if ``M`` is, say, an MLP); ``no_recompute: [M]`` forbids every
     candidate that touches a module of ``M``. Identical layers share one set of variables
-    (``passes.layer_sharing``), so a hint must take all copies of a class or none."""
+    (``autopar_passes.layer_sharing``), so a hint must take all copies of a class or none."""
     module_of = {n.name: n.meta[META_KEY].module or "" for n in graph.nodes}
 
     def inside(name: str, modules: tuple[str, ...]) -> bool:

@@ -1,6 +1,6 @@
 """Fit a preset's ``in_step`` to the reference step ``autopar calibrate`` timed.
 
-The cost model predicts the reference step (``cost_model.reference_step``) as every traced
+The cost model predicts the reference step (``autopar_cost_model.reference_step``) as every traced
 op's forward and backward (``CostModel.op_time``) on one device: host time ``H`` per op
 plus roofline time ``R``, which ``in_step`` scales. Predicted at ``in_step`` 1 and 2 the
 two terms come apart (``P(f) = H + f R``), and the measured seconds ``T`` give
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from cost_model.collectives import MeshCost
-from cost_model.hardware import DevicePreset
-from cost_model.reference_step import reference_step
-from passes.annotation import META_KEY
-from passes.costs import CostModel
-from passes.strategies.types import Strategy
-from passes.trace import TracedModel, trace
-from plans.mesh import MeshSpec
+from autopar_cost_model.collectives import MeshCost
+from autopar_cost_model.hardware import DevicePreset
+from autopar_cost_model.reference_step import reference_step
+from autopar_passes.annotation import META_KEY
+from autopar_passes.costs import CostModel
+from autopar_passes.strategies.types import Strategy
+from autopar_passes.trace import TracedModel, trace
+from autopar_plans.mesh import MeshSpec
 
 WHOLE = Strategy((), (), 1)  # one device: every op does all of its work
 

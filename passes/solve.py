@@ -3,11 +3,11 @@
 Reads the ``TracedModel`` and a ``SolveRequest`` (mesh, memory limit, optimizer, precision,
 constraints); runs, in order:
 
-1. ``graph_choices``: strategies per node (``passes.strategies.graph``);
-2. ``layer_representatives``: identical layers (``passes.layer_sharing``);
-3. ``group_decisions``: the ILP's decisions (``passes.decisions``);
-4. ``build_problem``: coefficients from the cost model (``passes.problem``);
-5. ``solve_ilp`` (``passes.ilp``), first the fastest plan over the ZeRO stages with no
+1. ``graph_choices``: strategies per node (``autopar_passes.strategies.graph``);
+2. ``layer_representatives``: identical layers (``autopar_passes.layer_sharing``);
+3. ``group_decisions``: the ILP's decisions (``autopar_passes.decisions``);
+4. ``build_problem``: coefficients from the cost model (``autopar_passes.problem``);
+5. ``solve_ilp`` (``autopar_passes.ilp``), first the fastest plan over the ZeRO stages with no
    memory row, then, if it does not fit, under the limit for each ZeRO stage with
    recomputation as variables.
 
@@ -22,21 +22,21 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from cost_model.collectives import MeshCost
-from cost_model.hardware import load_preset
-from cost_model.memory import precision_policy
-from passes.costs import CostModel, fsdp_group_shares, gradient_bytes, sync_buckets
-from passes.decisions import Decisions, group_decisions
-from passes.ilp import IlpProblem, cannot_beat, dominates, objective_at, solve_ilp
-from passes.layer_sharing import layer_representatives
-from passes.mixed_precision import (
+from autopar_cost_model.collectives import MeshCost
+from autopar_cost_model.hardware import load_preset
+from autopar_cost_model.memory import precision_policy
+from autopar_passes.costs import CostModel, fsdp_group_shares, gradient_bytes, sync_buckets
+from autopar_passes.decisions import Decisions, group_decisions
+from autopar_passes.ilp import IlpProblem, cannot_beat, dominates, objective_at, solve_ilp
+from autopar_passes.layer_sharing import layer_representatives
+from autopar_passes.mixed_precision import (
     MIXED,
     AutocastSaved,
     autocast_saved,
     working_cast_nodes,
 )
-from passes.problem import ProblemParts, build_problem, reuses_edges, unmerged_size
-from passes.recompute import (
+from autopar_passes.problem import ProblemParts, build_problem, reuses_edges, unmerged_size
+from autopar_passes.recompute import (
     RecomputeHint,
     Region,
     apply_recompute_hints,
@@ -44,14 +44,14 @@ from passes.recompute import (
     recompute_budgets,
     recompute_terms,
 )
-from passes.strategies.graph import NodeChoices, graph_choices
-from passes.strategies.types import Strategy
-from passes.trace import TracedModel
-from plans.buckets import BUCKET_BYTES
-from plans.errors import InfeasiblePlanError
-from plans.mesh import MeshSpec
-from plans.plan import SolverReport
-from plans.units import format_bytes
+from autopar_passes.strategies.graph import NodeChoices, graph_choices
+from autopar_passes.strategies.types import Strategy
+from autopar_passes.trace import TracedModel
+from autopar_plans.buckets import BUCKET_BYTES
+from autopar_plans.errors import InfeasiblePlanError
+from autopar_plans.mesh import MeshSpec
+from autopar_plans.plan import SolverReport
+from autopar_plans.units import format_bytes
 
 # (node name, its choices, one strategy) -> may the node take it? Forced strategies, hints
 # and bans are all this one mechanism: a constraint s[d, k] = 0 in the ILP.
@@ -220,7 +220,7 @@ def _solve(
     First the fastest plan over the ZeRO stages with memory set aside: when it fits the
     limit, memory does not bind and recomputation could make nothing faster. Otherwise
     every allowed ZeRO stage is solved under the limit, with the recompute candidates
-    (``passes.recompute``) as variables, and the fastest feasible one is kept.
+    (``autopar_passes.recompute``) as variables, and the fastest feasible one is kept.
     """
     mesh = grouped_mesh(request.mesh, groups)
     request = replace(request, mesh=mesh)
@@ -351,7 +351,7 @@ def _fastest_unlimited(
 ) -> Solved | None:
     """The fastest plan over the ZeRO stages, memory set aside. A sharded optimizer steps
     fewer values and its gathers cost less than that on fast links, so ZeRO can be the
-    fastest with memory to spare (``cost_model.optimizer``). The lowest stage is solved;
+    fastest with memory to spare (``autopar_cost_model.optimizer``). The lowest stage is solved;
     another only where it could be faster: not ZeRO-2 beside ZeRO-1 (memory aside, the
     same sums or more of them), not a stage that saves time on no choice
     (``ilp.cannot_beat``), and not one that the lowest stage's plan, costed in it, does not

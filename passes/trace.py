@@ -1,6 +1,6 @@
 """The trace pass: ``torch.export`` a model into an annotated ATen graph.
 
->>> model, inputs = examples.models.build("gpt-tiny")          # doctest: +SKIP
+>>> model, inputs = autopar_examples.models.build("gpt-tiny")          # doctest: +SKIP
 >>> traced = trace(model, inputs)                              # doctest: +SKIP
 >>> traced.summary().layers                                    # doctest: +SKIP
 2
@@ -33,12 +33,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from passes.annotate import annotate_graph
-from passes.annotation import META_KEY, NodeAnnotation, NodeKind, TensorInfo
-from passes.decompose import decompose_for_sharding
-from passes.expose import expose_fused_projections
-from passes.layers import LayerContainer, find_layer_container, module_path
-from plans.errors import UntraceableModelError, UsageError
+from autopar_passes.annotate import annotate_graph
+from autopar_passes.annotation import META_KEY, NodeAnnotation, NodeKind, TensorInfo
+from autopar_passes.decompose import decompose_for_sharding
+from autopar_passes.expose import expose_fused_projections
+from autopar_passes.layers import LayerContainer, find_layer_container, module_path
+from autopar_plans.errors import UntraceableModelError, UsageError
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +92,7 @@ class TracedModel:
     layers: LayerContainer | None
     trace_seconds: float
     warnings: list[str] = field(default_factory=list)
-    # parameters planned in another shape than the model's (``passes.expose``):
+    # parameters planned in another shape than the model's (``autopar_passes.expose``):
     # name -> (the model's shape, the planned shape)
     reshaped: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     # the keyword inputs that are no tensors, as traced: the program is specialised to them

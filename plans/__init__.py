@@ -3,7 +3,7 @@
 Pure data (pydantic); imports no ``torch.distributed`` and runs no model.
 """
 
-from plans.errors import (
+from autopar_plans.errors import (
     AutoparError,
     HintError,
     InfeasiblePlanError,
@@ -13,9 +13,9 @@ from plans.errors import (
     UntraceableModelError,
     UsageError,
 )
-from plans.io import dump_plan, load_plan, load_plan_text, plan_from_dict, save_plan
-from plans.mesh import MeshSpec, default_axis_names, parse_mesh_shape
-from plans.placement import (
+from autopar_plans.io import dump_plan, load_plan, load_plan_text, plan_from_dict, save_plan
+from autopar_plans.mesh import MeshSpec, default_axis_names, parse_mesh_shape
+from autopar_plans.placement import (
     PARTIAL,
     REPLICATE,
     Layout,
@@ -28,7 +28,7 @@ from plans.placement import (
     parse_placement,
     spec_from_layout,
 )
-from plans.plan import (
+from autopar_plans.plan import (
     PLAN_VERSION,
     Alternative,
     Estimate,

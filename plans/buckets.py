@@ -1,6 +1,6 @@
 """How tensors are packed into buckets, one collective each: the rule the runtime follows and
 the plan's ledger counts (``autopar.runtime.grad_sync``, ``autopar.runtime.zero``,
-``passes.ledger``), so the two cannot count differently.
+``autopar_passes.ledger``), so the two cannot count differently.
 
 Items are ``(key, nbytes)`` in the order the runtime sees them; only items with the same key
 share a bucket (the same process groups and dtype). A bucket is a list of item indices.

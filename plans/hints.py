@@ -16,7 +16,7 @@ come in a YAML file (``docs/hints.md`` is the reference)::
 This module is the file's schema and nothing more: it reads the YAML, keeps the line of
 every key (so an error says ``hints.yaml:7``), validates the shape of each value, and lists
 the hints one by one (``Hints.items``). Whether a hint fits the model and the mesh is
-checked by ``passes.hints``, which has the traced model.
+checked by ``autopar_passes.hints``, which has the traced model.
 
 >>> hints = hints_from_text('shard:\\n  "layers.*.q.weight": [tp, null]\\n', "h.yaml")
 >>> [str(h) for h in hints.items()]
@@ -50,8 +50,8 @@ from pydantic import (
 )
 from pydantic import model_validator as _model_validator
 
-from plans.errors import HintError, InfeasiblePlanError, UsageError
-from plans.units import parse_bytes
+from autopar_plans.errors import HintError, InfeasiblePlanError, UsageError
+from autopar_plans.units import parse_bytes
 
 BanKind = Literal["tensor_parallel", "fsdp", "sequence_parallel", "data_parallel"]
 
@@ -66,7 +66,7 @@ BAN_KINDS: dict[str, str] = {
     "data_parallel": "no matmul or embedding takes its activation split on a token dim "
     "(batch or sequence) over the axis",
 }
-"""The words ``ban`` takes, each a predicate on one node's strategy (``passes.hints``)."""
+"""The words ``ban`` takes, each a predicate on one node's strategy (``autopar_passes.hints``)."""
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 SpecEntry = str | None | tuple[str, ...]

@@ -14,8 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import ValidationError
 
-from plans.errors import PlanFileError
-from plans.plan import PLAN_VERSION, Plan
+from autopar_plans.errors import PlanFileError
+from autopar_plans.plan import PLAN_VERSION, Plan
 
 Format = Literal["json", "yaml"]
 

@@ -7,7 +7,7 @@ runtime records what it really issues in the same terms (``autopar.runtime.comm`
 test can hold one against the other: ``tally`` of both must agree, call for call and byte
 for byte, per (kind, axes, dtype).
 
-Bytes per call are the payload as ``cost_model.reshard`` prices it: the whole array of an
+Bytes per call are the payload as ``autopar_cost_model.reshard`` prices it: the whole array of an
 all-gather (its output) and of a reduce-scatter (its input), the tensor of an all-reduce or
 a broadcast, each device's buffer of an all-to-all. What a device *sends* follows from the
 kind and the group's size (``sent``).

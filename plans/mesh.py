@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from plans.errors import UsageError
+from autopar_plans.errors import UsageError
 
 
 class MeshSpec(BaseModel):

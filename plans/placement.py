@@ -35,7 +35,7 @@ from pydantic import (
     model_validator,
 )
 
-from plans.errors import UsageError
+from autopar_plans.errors import UsageError
 
 SpecEntry = str | None | tuple[str, ...] | list[str]
 

@@ -2,9 +2,9 @@
 
 The plan is the contract between the planner (``passes``) and everything that reads a
 decision: the lowering, the runtime, the CLI, a user's diff in code review. It is versioned;
-a file from another version is refused with a message rather than misread (``plans.io``).
+a file from another version is refused with a message rather than misread (``autopar_plans.io``).
 
-Layouts use DTensor's placements (one per mesh axis, see ``plans.placement``); the CLI shows
+Layouts use DTensor's placements (one per mesh axis, see ``autopar_plans.placement``); the CLI shows
 them in the JAX spelling as well.
 """
 
@@ -14,9 +14,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from plans.ledger import CommEntry
-from plans.mesh import MeshSpec
-from plans.placement import Layout
+from autopar_plans.ledger import CommEntry
+from autopar_plans.mesh import MeshSpec
+from autopar_plans.placement import Layout
 
 PLAN_VERSION = 1
 
@@ -102,7 +102,7 @@ class Estimate(_Frozen):
     )
     comm: tuple[CommEntry, ...] = Field(
         (),
-        description="The ledger: every collective a step issues (plans.ledger), which the "
+        description="The ledger: every collective a step issues (autopar_plans.ledger), which the "
         "runtime's own count (CompiledModel.observed_collectives) is held to.",
     )
 

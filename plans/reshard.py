@@ -1,7 +1,7 @@
 """The reshard planner: the steps that turn one layout of a tensor into another.
 
-One function for both sides: the cost model prices these steps (``cost_model.reshard``) and
-the lowering emits them (``passes.lower_spmd``), so what the plan charges is what runs (as
+One function for both sides: the cost model prices these steps (``autopar_cost_model.reshard``) and
+the lowering emits them (``autopar_passes.lower_spmd``), so what the plan charges is what runs (as
 DTensor's ``redistribute_cost`` and ``redistribute_local_tensor`` share one transform list).
 
 Each step changes one mesh axis:
@@ -54,8 +54,8 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from plans.errors import UsageError
-from plans.placement import REPLICATE, Layout, Partial, Placement, Replicate, Shard
+from autopar_plans.errors import UsageError
+from autopar_plans.placement import REPLICATE, Layout, Partial, Placement, Replicate, Shard
 
 LOCAL_KINDS = ("slice", "zero", "pad")
 _MAX_ROUNDS = 16

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from plans.errors import UsageError
+from autopar_plans.errors import UsageError
 
 _BYTE_UNITS = {
     "": 1,

@@ -1,7 +1,7 @@
 """The ``autopar`` command: one small module per subcommand, wired here.
 
 Each subcommand module has ``add_parser(subparsers)`` and ``run(args) -> int``. Errors a user
-can fix (``plans.AutoparError``) print one message and exit with the documented code:
+can fix (``autopar_plans.AutoparError``) print one message and exit with the documented code:
 
 ====  =====================================================
 code  meaning
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from autopar._version import __version__
 from autopar.cli import calibrate, codegen, demo, devices, diff, explain, plan, show
-from plans.errors import (
+from autopar_plans.errors import (
     AutoparError,
     HintError,
     InfeasiblePlanError,

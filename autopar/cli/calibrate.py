@@ -6,7 +6,7 @@
 
 Without ``-o`` the file goes to ``~/.config/autopar/presets/NAME.yaml``, where ``autopar
 devices`` lists it and ``--device NAME`` finds it. What is measured and what is borrowed
-from a shipped preset is written in the file's header (see ``cost_model.calibrate``).
+from a shipped preset is written in the file's header (see ``autopar_cost_model.calibrate``).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cost_model.hardware import USER_PRESET_DIR, save_preset
-from plans.errors import UsageError
+from autopar_cost_model.hardware import USER_PRESET_DIR, save_preset
+from autopar_plans.errors import UsageError
 
 if TYPE_CHECKING:
-    from cost_model.calibrate import Calibration
+    from autopar_cost_model.calibrate import Calibration
 
 
 def add_parser(subparsers: Any) -> None:
@@ -59,13 +59,14 @@ def add_parser(subparsers: Any) -> None:
 
 
 def with_in_step(result: Calibration) -> Calibration:
-    """The calibration with ``in_step`` fitted to its reference step (``passes.reference_step``:
+    """The calibration with ``in_step`` fitted to its reference step
+    (``autopar_passes.reference_step``:
     fitting needs the tracer, which ``cost_model`` may not import)."""
-    from passes.reference_step import fit_in_step
+    from autopar_passes.reference_step import fit_in_step
 
     in_step = round(fit_in_step(result.preset, result.reference_step_s), 3)
     note = (
-        f"in_step: the reference step (cost_model.reference_step) took "
+        f"in_step: the reference step (autopar_cost_model.reference_step) took "
         f"{result.reference_step_s * 1e3:.1f} ms forward and backward, {in_step:g}x what its "
         "ops' figures predict (each op timed alone); every op's time is scaled by it"
     )
@@ -76,7 +77,7 @@ def with_in_step(result: Calibration) -> Calibration:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cost_model.calibrate import calibrate, default_name, summary_rows  # imports torch
+    from autopar_cost_model.calibrate import calibrate, default_name, summary_rows  # imports torch
 
     name = args.name or default_name()
     if not name or os.sep in name or name.endswith((".yaml", ".yml")):

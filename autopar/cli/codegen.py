@@ -17,12 +17,12 @@ from autopar.api import example_batch, microbatch_inputs
 from autopar.cli.mesh_args import add_mesh_arguments, mesh_from_args
 from autopar.cli.plan import add_model_arguments
 from autopar.model_source import build_model, parse_config
-from passes.from_plan import PlanLayouts
-from passes.lower_spmd import lower_spmd
-from passes.lower_stages import iter_stage_codes, locate, split_stages, stage_mesh
-from passes.trace import trace
-from plans.errors import UsageError
-from plans.io import load_plan
+from autopar_passes.from_plan import PlanLayouts
+from autopar_passes.lower_spmd import lower_spmd
+from autopar_passes.lower_stages import iter_stage_codes, locate, split_stages, stage_mesh
+from autopar_passes.trace import trace
+from autopar_plans.errors import UsageError
+from autopar_plans.io import load_plan
 
 
 def add_parser(subparsers: Any) -> None:

@@ -16,9 +16,9 @@ from autopar.cli.demo_work import train_side_by_side
 from autopar.cli.render import console, ops_table, plan_tables, summary_table
 from autopar.model_source import build_model, parse_config
 from autopar.testing.ranks import run_ranks
-from passes.trace import trace
-from plans.io import plan_from_dict
-from plans.mesh import parse_mesh_shape
+from autopar_passes.trace import trace
+from autopar_plans.io import plan_from_dict
+from autopar_plans.mesh import parse_mesh_shape
 
 
 def add_parser(subparsers: Any) -> None:

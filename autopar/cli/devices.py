@@ -18,8 +18,8 @@ from typing import Any
 from rich.table import Table
 
 from autopar.cli.render import console
-from cost_model.compute import peak_flops
-from cost_model.hardware import DevicePreset, list_presets, preset_dirs
+from autopar_cost_model.compute import peak_flops
+from autopar_cost_model.hardware import DevicePreset, list_presets, preset_dirs
 
 COLUMNS = ("name", "bf16 TFLOP/s", "memory GiB", "HBM GB/s", "intra GB/s", "inter GB/s", "per node")
 

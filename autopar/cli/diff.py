@@ -18,10 +18,10 @@ from rich.table import Table
 
 from autopar.cli.render import console
 from autopar.report.views import ranges
-from plans.io import load_plan
-from plans.placement import format_spec
-from plans.plan import Plan
-from plans.units import format_bytes, format_seconds
+from autopar_plans.io import load_plan
+from autopar_plans.placement import format_spec
+from autopar_plans.plan import Plan
+from autopar_plans.units import format_bytes, format_seconds
 
 ESTIMATES: tuple[tuple[str, str], ...] = (
     ("step time", "step_time_s"),

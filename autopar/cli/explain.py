@@ -22,12 +22,12 @@ from rich.table import Table
 from autopar.cli.render import console, working
 from autopar.model_source import build_model, parse_config
 from autopar.report.explain import Explanation, explain
-from passes.hints import resolve_hints
-from passes.trace import trace
-from plans.errors import UsageError
-from plans.hints import load_hints
-from plans.io import load_plan
-from plans.units import format_bytes, format_seconds
+from autopar_passes.hints import resolve_hints
+from autopar_passes.trace import trace
+from autopar_plans.errors import UsageError
+from autopar_plans.hints import load_hints
+from autopar_plans.io import load_plan
+from autopar_plans.units import format_bytes, format_seconds
 
 
 def add_parser(subparsers: Any) -> None:

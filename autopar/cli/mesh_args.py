@@ -6,8 +6,8 @@ import argparse
 from typing import Any
 
 from autopar.mesh import Mesh
-from plans.errors import UsageError
-from plans.mesh import default_axis_names, parse_mesh_shape
+from autopar_plans.errors import UsageError
+from autopar_plans.mesh import default_axis_names, parse_mesh_shape
 
 
 def add_mesh_arguments(parser: Any, required: bool = True) -> None:

@@ -19,8 +19,8 @@ from autopar.cli.render import comm_table, console, plan_tables, summary_of, wor
 from autopar.force import STYLES
 from autopar.model_source import build_model, parse_config
 from autopar.report import require_matplotlib
-from plans.io import dump_plan, save_plan
-from plans.plan import Plan
+from autopar_plans.io import dump_plan, save_plan
+from autopar_plans.plan import Plan
 
 
 def add_model_arguments(parser: Any) -> None:

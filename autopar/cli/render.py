@@ -11,9 +11,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from autopar.report.views import layout_rows, memory_bars, plan_mesh_axes, ranges, time_rows
-from passes.trace import GraphSummary
-from plans.plan import Plan
-from plans.units import format_bytes, format_count, format_flops, format_seconds
+from autopar_passes.trace import GraphSummary
+from autopar_plans.plan import Plan
+from autopar_plans.units import format_bytes, format_count, format_flops, format_seconds
 
 
 def console(stderr: bool = False) -> Console:
@@ -230,8 +230,8 @@ SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def comm_table(plan: Plan) -> Table:
-    """The plan's ledger (``plans.ledger``): every collective a step issues, the sites of one
-    shape folded into a row (phase, kind, axes, dtype, bytes per call, what hides it), the
+    """The plan's ledger (``autopar_plans.ledger``): every collective a step issues, the sites of
+    one shape folded into a row (phase, kind, axes, dtype, bytes per call, what hides it), the
     costliest first, with the totals the summary quotes."""
     rows: dict[tuple, list] = {}
     staged = plan.parallelism.pp > 1

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.cli.plan import add_output_arguments, print_plan
-from plans.io import load_plan
+from autopar_plans.io import load_plan
 
 
 def add_parser(subparsers: Any) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from plans.errors import UsageError
+from autopar_plans.errors import UsageError
 
 
 def require_matplotlib() -> None:

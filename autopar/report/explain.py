@@ -15,24 +15,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from cost_model.collectives import MeshCost
-from cost_model.hardware import load_preset
-from passes.costs import CostModel, fsdp_group_shares
-from passes.decisions import Decisions, group_decisions
-from passes.hints import ResolvedHints, forbidden_choices, hint_rules
-from passes.ilp import GroupCall, IlpProblem
-from passes.layer_sharing import layer_representatives
-from passes.mixed_precision import autocast_saved, working_cast_nodes
-from passes.plan_build import expand_layout
-from passes.problem import ProblemParts, build_problem
-from passes.solve import group_axes, grouped_mesh
-from passes.strategies.graph import graph_choices
-from passes.trace import TracedModel
-from plans.errors import PlanFileError, UsageError
-from plans.hints import closest_names
-from plans.mesh import MeshSpec
-from plans.placement import Layout, format_spec
-from plans.plan import Plan
+from autopar_cost_model.collectives import MeshCost
+from autopar_cost_model.hardware import load_preset
+from autopar_passes.costs import CostModel, fsdp_group_shares
+from autopar_passes.decisions import Decisions, group_decisions
+from autopar_passes.hints import ResolvedHints, forbidden_choices, hint_rules
+from autopar_passes.ilp import GroupCall, IlpProblem
+from autopar_passes.layer_sharing import layer_representatives
+from autopar_passes.mixed_precision import autocast_saved, working_cast_nodes
+from autopar_passes.plan_build import expand_layout
+from autopar_passes.problem import ProblemParts, build_problem
+from autopar_passes.solve import group_axes, grouped_mesh
+from autopar_passes.strategies.graph import graph_choices
+from autopar_passes.trace import TracedModel
+from autopar_plans.errors import PlanFileError, UsageError
+from autopar_plans.hints import closest_names
+from autopar_plans.mesh import MeshSpec
+from autopar_plans.placement import Layout, format_spec
+from autopar_plans.plan import Plan
 
 
 @dataclass
@@ -120,7 +120,7 @@ def explain(
 
 def _grouping(plan: Plan, mesh: MeshSpec) -> tuple[tuple[int, ...], ...]:
     """The grouping of ``mesh``'s axes on which every layout of the plan can be written
-    (meshes of more than two axes are solved grouped, ``passes.solve.group_axes``)."""
+    (meshes of more than two axes are solved grouped, ``autopar_passes.solve.group_axes``)."""
     layouts = [p.param for p in plan.params.values()] + [o.output for o in plan.ops.values()]
     for groups in group_axes(mesh):
         if all(_collapse(layout, groups) is not None for layout in layouts):
@@ -330,7 +330,7 @@ def _decided_by(options: Sequence[Option]) -> str:
 
 
 def _seconds(value: float) -> str:
-    from plans.units import format_seconds
+    from autopar_plans.units import format_seconds
 
     return format_seconds(value)
 

@@ -1,6 +1,7 @@
 """The report's three pictures of a plan, drawn with matplotlib (Agg, no pyplot state).
 
-- ``draw_timeline``: the pipeline timeline (``cost_model.schedule.simulate``): each device's forward
+- ``draw_timeline``: the pipeline timeline (``autopar_cost_model.schedule.simulate``): each
+  device's forward
   and backward of each microbatch; the hatched background left showing is the bubble;
 - ``draw_memory``: memory per device (per stage), stacked params, grads, optimizer states
   and activations, against the memory limit;
@@ -18,10 +19,10 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from autopar.report.views import layout_rows, memory_bars, plan_mesh_axes, stage_times
-from cost_model.schedule import idle_fraction, makespan, simulate
-from plans.placement import Partial, Replicate, Shard
-from plans.plan import Plan
-from plans.units import format_bytes, format_seconds
+from autopar_cost_model.schedule import idle_fraction, makespan, simulate
+from autopar_plans.placement import Partial, Replicate, Shard
+from autopar_plans.plan import Plan
+from autopar_plans.units import format_bytes, format_seconds
 
 FORWARD = "#4C78A8"
 BACKWARD = "#F58518"

@@ -19,8 +19,8 @@ from matplotlib.figure import Figure
 
 from autopar.report.figures import overview_figure, single_figure
 from autopar.report.views import layout_rows, memory_bars, plan_mesh_axes, ranges, time_rows
-from plans.plan import Plan
-from plans.units import format_bytes, format_seconds
+from autopar_plans.plan import Plan
+from autopar_plans.units import format_bytes, format_seconds
 
 STYLE = """
 body { font: 14px/1.45 -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; color: #222;

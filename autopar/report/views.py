@@ -6,15 +6,15 @@
   states and activations;
 - ``time_rows``: where the step time goes.
 
-Everything here reads a ``plans.Plan`` only, so a saved plan shows the same as a fresh one.
+Everything here reads a ``autopar_plans.Plan`` only, so a saved plan shows the same as a fresh one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plans.placement import Layout, Replicate, format_spec
-from plans.plan import Plan
+from autopar_plans.placement import Layout, Replicate, format_spec
+from autopar_plans.plan import Plan
 
 
 @dataclass(frozen=True)

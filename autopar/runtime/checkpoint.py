@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 from autopar.runtime.shards import local_of, to_dtensor
-from plans.errors import UsageError
+from autopar_plans.errors import UsageError
 
 if TYPE_CHECKING:
     from autopar.runtime.compiled import CompiledModel

@@ -1,7 +1,7 @@
 """Autograd-aware collectives on one mesh axis, as modules the lowered graph calls.
 
 Each collective's backward is its adjoint, so that the local backward of the lowered graph
-computes each device's summand of every gradient (``passes.lower_spmd``):
+computes each device's summand of every gradient (``autopar_passes.lower_spmd``):
 
 ==================  ===================  ==============================
 module              forward              backward (adjoint)
@@ -12,10 +12,10 @@ AllReduce           P -> R               all-reduce of the gradient
 AllToAll(src, dst)  Shard(src) -> (dst)  all-to-all back
 ==================  ===================  ==============================
 
-At the module's outputs every device receives the same gradient (``passes.lower_spmd``, the
+At the module's outputs every device receives the same gradient (``autopar_passes.lower_spmd``, the
 output boundary), so an all-reduce there may skip its adjoint (``AllReduce(adjoint=False)``:
 the gradient passes through, and the n equal summands the adjoint would add are counted
-in the boundary's scale instead; ``passes.rewrites.output_boundary``).
+in the boundary's scale instead; ``autopar_passes.rewrites.output_boundary``).
 
 gloo has no reduce-scatter, and its all-to-all wants lists; on gloo both are built from
 the collectives it has (all-reduce then a local slice; all-gather then a local slice). They

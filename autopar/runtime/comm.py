@@ -8,9 +8,9 @@ pipeline. Each of them runs on an ``AxisGroup``: a process group that knows whic
 axes it spans and which ``CommLog`` to tell. So every call is recorded once, at the level
 the plan speaks of (a logical reduce-scatter, even where gloo runs it as an all-reduce),
 with its kind, axes, dtype, bytes and phase: what ``CompiledModel.observed_collectives``
-returns, to be compared with the plan's ledger (``plans.ledger``).
+returns, to be compared with the plan's ledger (``autopar_plans.ledger``).
 
-Bytes per call are the payload as ``cost_model.reshard`` prices it: the whole array for an
+Bytes per call are the payload as ``autopar_cost_model.reshard`` prices it: the whole array for an
 all-gather (its output) and a reduce-scatter (its input), the tensor for an all-reduce and
 a broadcast, each device's buffer for an all-to-all.
 """
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plans.ledger import CommCount, CommKey, tally
+from autopar_plans.ledger import CommCount, CommKey, tally
 
 
 def dtype_name(dtype: torch.dtype) -> str:

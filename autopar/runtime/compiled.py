@@ -10,9 +10,9 @@ Built from a plan (``passes`` made it) and the user's module:
   ``torch.distributed.checkpoint.state_dict`` helpers) compute what they do on one device.
   The programs compute on the plain local shards (``runtime.local_shards``); buffers and
   constants stay whole. A parameter the trace planned in another shape (a fused q/k/v weight as
-  ``[3, C, Cin]``, ``passes.expose``) is held in that shape and given back in the user's
+  ``[3, C, Cin]``, ``autopar_passes.expose``) is held in that shape and given back in the user's
   (``full_parameter``, ``state_dict``);
-- the lowered per-rank graph (``passes.lower_spmd``) becomes a ``GraphModule`` (``program``)
+- the lowered per-rank graph (``autopar_passes.lower_spmd``) becomes a ``GraphModule`` (``program``)
   whose collectives are submodules over the mesh axes' process groups;
 - gradients of parameters replicated over mesh axes are summed there after backward,
   bucketed and overlapped (``autopar.runtime.grad_sync``).
@@ -32,13 +32,13 @@ script. ``inputs="local"``: each rank passes only its slice of each input
 (``input_slices()``). ``outputs="sharded"``: each rank gets its local piece of each output
 (``output_layouts()``); the loss it computes from them must be its summand of the global
 loss (for a token-mean cross-entropy: the local sum divided by the global token count), and
-ranks holding the same piece compute the same term (``passes.lower_spmd``, the output
+ranks holding the same piece compute the same term (``autopar_passes.lower_spmd``, the output
 boundary).
 
 Training steps and pipelines. With the ``loss_fn`` given to ``compile``, ``train_step(inputs,
 targets)`` runs one optimizer step over the global batch in the plan's microbatches. A
 pipeline plan holds only the parameters this rank's stages read (``holds``); the rank's
-lowered program is cut into stage programs (``passes.lower_stages``), each a
+lowered program is cut into stage programs (``autopar_passes.lower_stages``), each a
 ``GraphModule`` sharing the one tree (``stage_modules``; ``program`` is the first), run by
 ``autopar.runtime.pipeline``. ``full_parameter``, ``full_gradient`` and ``state_dict`` still
 give every rank whole tensors (from the first stage holding each); ``forward`` is refused.
@@ -77,9 +77,9 @@ from autopar.runtime.pipeline import (
 from autopar.runtime.precision import run_precision
 from autopar.runtime.shards import gather_full, local_of, local_slices, to_dtensor
 from autopar.runtime.zero import ZeroParam, ZeroShards, master_piece
-from passes.from_plan import PlanLayouts
-from passes.lower_spmd import LoweredGraph, local_shard, lower_spmd
-from passes.lower_stages import (
+from autopar_passes.from_plan import PlanLayouts
+from autopar_passes.lower_spmd import LoweredGraph, local_shard, lower_spmd
+from autopar_passes.lower_stages import (
     StageProgram,
     holders,
     iter_stage_codes,
@@ -87,14 +87,14 @@ from passes.lower_stages import (
     locate,
     pipeline_mesh_spec,
 )
-from passes.lower_stages import stage_mesh as plan_stage_mesh
-from passes.mixed_precision import cast_for_gather
-from passes.rewrites import RankProgram, local_view_path, rewrite_rank, working_copy_path
-from passes.trace import TracedModel
-from plans.errors import UsageError
-from plans.ledger import CommCount, CommKey
-from plans.placement import Layout, Replicate, zero_axes
-from plans.plan import Plan
+from autopar_passes.lower_stages import stage_mesh as plan_stage_mesh
+from autopar_passes.mixed_precision import cast_for_gather
+from autopar_passes.rewrites import RankProgram, local_view_path, rewrite_rank, working_copy_path
+from autopar_passes.trace import TracedModel
+from autopar_plans.errors import UsageError
+from autopar_plans.ledger import CommCount, CommKey
+from autopar_plans.placement import Layout, Replicate, zero_axes
+from autopar_plans.plan import Plan
 
 InputMode = Literal["global", "local"]
 OutputMode = Literal["whole", "sharded"]
@@ -253,7 +253,7 @@ class CompiledModel(nn.Module):
             device.type,
             stages=tuple(place.stages) if self.pipelined else (),
         )
-        # the rewrites of the rank's program, in order (``passes.rewrites``)
+        # the rewrites of the rank's program, in order (``autopar_passes.rewrites``)
         self.rewrites = rewrite_rank(rank_program)
         graphs = rank_program.graphs
         self._stage_programs: list[StageProgram] = rank_program.own_programs
@@ -291,7 +291,7 @@ class CompiledModel(nn.Module):
         )
         zero: list[ZeroParam] = []
         # under mixed precision the parameters only matmuls read: gathered (FSDP) and held
-        # as ZeRO's working copies in the compute dtype (``passes.mixed_precision``)
+        # as ZeRO's working copies in the compute dtype (``autopar_passes.mixed_precision``)
         self._cast = cast_for_gather(traced, plan.precision)
         tree = self._build_tree(model, traced, whole, zero)
         self._zero = ZeroShards(zero, reduce_dtype=self.precision.compute)
@@ -497,7 +497,7 @@ class CompiledModel(nn.Module):
         _set_attr(tree, target, master, "param")
         cast = self.precision.compute if name in self._cast else None
         working = local.to(cast or local.dtype, copy=True).requires_grad_(True)
-        # the graphs read it there (``passes.rewrites``: read_local_tensors)
+        # the graphs read it there (``autopar_passes.rewrites``: read_local_tensors)
         _set_attr(tree, working_copy_path(target), working, "constant")
         groups = self._sync_axis_groups
         others = tuple(
@@ -664,7 +664,7 @@ class CompiledModel(nn.Module):
     def observed_collectives(self) -> dict[CommKey, CommCount]:
         """The collectives this rank issued in the last step, as calls and bytes per
         (kind, mesh axes, dtype): the terms of the plan's ledger
-        (``plans.ledger.tally_entries(plan.estimate.comm)``). A step starts when
+        (``autopar_plans.ledger.tally_entries(plan.estimate.comm)``). A step starts when
         ``train_step`` is called, or in a loop of your own when you call
         ``reset_observed()`` before its forward. Gathers for ``state_dict`` and
         ``full_parameter`` are not part of a step and are left out."""

@@ -33,7 +33,7 @@ import torch
 
 from autopar.runtime.collectives import unflatten
 from autopar.runtime.comm import AxisGroup
-from plans.buckets import ddp_buckets
+from autopar_plans.buckets import ddp_buckets
 
 
 @dataclass

@@ -14,7 +14,7 @@ import itertools
 import torch.distributed as dist
 
 from autopar.runtime.comm import AxisGroup, CommLog
-from plans.mesh import MeshSpec
+from autopar_plans.mesh import MeshSpec
 
 
 def axis_groups(mesh: MeshSpec, log: CommLog) -> list[AxisGroup | None]:

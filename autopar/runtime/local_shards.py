@@ -5,7 +5,7 @@ plan's placements (``shards.to_dtensor``), so PyTorch's tools that understand sh
 (``torch.nn.utils.clip_grad_norm_``, ``torch.distributed.checkpoint.state_dict``, the
 optimizers' foreach kernels) see the whole model, as they do under FSDP2 and DTensor
 tensor parallelism. The lowered programs compute on this rank's plain shards instead,
-where their ``get_attr`` reads them (``passes.rewrites``: ``read_local_tensors``,
+where their ``get_attr`` reads them (``autopar_passes.rewrites``: ``read_local_tensors``,
 ``local_view_path``).
 
 As FSDP2 does with its unsharded parameters, each DTensor parameter has one plain leaf
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from autopar.runtime.shards import as_dtensor_like, local_of
-from passes.rewrites import local_view_path
+from autopar_passes.rewrites import local_view_path
 
 HOLDER = "_local_shards"
 

@@ -1,7 +1,7 @@
 """The runtime's two ways of keeping less for backward, installed on a rank's programs.
 
 - Recompute: the plan's recompute regions (``Plan.recompute``, chosen by the ILP) are
-  outlined into non-reentrant activation checkpoints (``passes.lower_recompute``).
+  outlined into non-reentrant activation checkpoints (``autopar_passes.lower_recompute``).
 - FSDP regather: a parameter stored sharded is all-gathered before use; the gathered weight
   is not kept for backward but gathered again there (``runtime.regather``).
 
@@ -24,8 +24,8 @@ from autopar.runtime.collectives import AllGather
 from autopar.runtime.param_groups import GatherParams, group_param_gathers
 from autopar.runtime.precision import check_precision
 from autopar.runtime.regather import ParamGathers
-from passes.lower_recompute import wrap_recompute
-from plans.plan import Plan
+from autopar_passes.lower_recompute import wrap_recompute
+from autopar_plans.plan import Plan
 
 
 def install(
@@ -40,7 +40,7 @@ def install(
     layer, None outside the layers), and regather parameters that the programs all-gather
     (``is_local``: whether a tensor is a parameter's local tensor as the programs read it,
     a DTensor parameter's shard or a ZeRO working copy); ``cast``: the parameters gathered
-    in the compute dtype (``passes.mixed_precision``). Returns the regather record (None
+    in the compute dtype (``autopar_passes.mixed_precision``). Returns the regather record (None
     when no program gathers a parameter)."""
     for program in programs:
         wrap_recompute(program, plan.recompute)

@@ -1,7 +1,7 @@
 """FSDP's flat gathers: the sharded parameters of one layer all-gathered in one collective.
 
 The lowering gathers each parameter stored sharded on its own, right before its use
-(``passes.lower_spmd``): for a Llama block that is ten all-gathers forward, ten
+(``autopar_passes.lower_spmd``): for a Llama block that is ten all-gathers forward, ten
 reduce-scatters backward (their adjoints) and ten gathers again in backward
 (``runtime.regather``). Each collective pays a fixed latency whatever its size, and on a
 tiny model that latency is most of the step. FSDP2 (``fully_shard`` per block) pays it
@@ -23,7 +23,7 @@ while this group's layer computes; in backward, when a group is gathered again, 
 backward reaches next (the previous one of the forward that has saved weights) is
 launched the same way. Only the first gather of a forward and the first regather of a
 backward wait for nothing to hide them. The plan's ledger prices them by the same rule
-(``passes.ledger.hide_prefetched``).
+(``autopar_passes.ledger.hide_prefetched``).
 
 Values are those of the single gathers: the same pieces concatenated along the same dims,
 the same gradient sums.
@@ -56,7 +56,7 @@ from autopar.runtime.collectives import (
     to_param_dtype,
     unflatten,
 )
-from plans.errors import UsageError
+from autopar_plans.errors import UsageError
 
 Shape = tuple[int, ...]
 
@@ -300,7 +300,7 @@ class GatherParams(Collective):
 
     # set by the runtime when gathered weights are regathered in backward: runtime.regather
     gathers: Any = None
-    # the dtype the group is gathered in (FSDP2's param_dtype; passes.mixed_precision)
+    # the dtype the group is gathered in (FSDP2's param_dtype; autopar_passes.mixed_precision)
     param_dtype: torch.dtype | None = None
 
     def __init__(self, group: Group, axis_name: str, dims: tuple[int, ...]) -> None:
@@ -354,7 +354,7 @@ def group_param_gathers(
     ``layer_of`` maps the ``get_attr`` target of each parameter that may be grouped to its
     layer in the layer container (None: outside the layers). Gathers inside submodules
     (recompute regions) are left alone: they run again in backward with their region.
-    The parameters in ``cast`` are gathered in ``compute`` (``passes.mixed_precision``),
+    The parameters in ``cast`` are gathered in ``compute`` (``autopar_passes.mixed_precision``),
     in groups of their own.
     """
     groups = _param_gather_groups(program, layer_of, cast, compute)

@@ -1,8 +1,8 @@
 """An output whose all-reduce is still in flight: waited for when its value is first read.
 
 A data-parallel step with the loss inside the module returns the global loss, which takes
-one scalar all-reduce at the end of forward (``passes.rewrites.output_boundary``). Done there and
-waited for, it makes every rank wait for the slowest before its backward can start: a
+one scalar all-reduce at the end of forward (``autopar_passes.rewrites.output_boundary``). Done
+there and waited for, it makes every rank wait for the slowest before its backward can start: a
 synchronisation that DDP, returning each rank's local loss, does not have. On the runtime
 benchmark's loaded gloo ranks it cost 2 to 3% of a step.
 
@@ -92,7 +92,7 @@ class PendingSum(torch.Tensor):
 
 class DeferredAllReduce(torch.autograd.Function):
     """Sum ``x`` over ``group`` without waiting; the gradient passes through (an output
-    all-reduce that skips its adjoint, ``passes.rewrites.output_boundary``)."""
+    all-reduce that skips its adjoint, ``autopar_passes.rewrites.output_boundary``)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:

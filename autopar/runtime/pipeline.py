@@ -4,7 +4,7 @@ A pipeline plan runs on a device mesh of shape ``(pp, *stage mesh)``, the pipeli
 first (``pipeline_mesh``): a stage's collectives run on the stage-mesh axes, the point-to-
 point between stages on the pipeline axis, whose process group joins the ranks with the
 same stage-mesh coordinates. Each rank sends its *local* tensors, in the producer's layout,
-to its counterpart in the next stage (``passes.lower_stages`` explains why the layouts
+to its counterpart in the next stage (``autopar_passes.lower_stages`` explains why the layouts
 agree).
 
 Each stage program (a ``GraphModule``) is wrapped in a ``PipelineStage`` and run by
@@ -48,11 +48,11 @@ from torch.distributed.pipelining import (
 )
 
 from autopar.runtime.comm import AxisGroup, CommLog
-from passes.lower_spmd import LoweredGraph, local_shard
-from passes.lower_stages import StageProgram, pipeline_mesh_spec, stage_mesh
-from passes.trace import TracedModel
-from plans.errors import UsageError
-from plans.plan import Parallelism, Plan
+from autopar_passes.lower_spmd import LoweredGraph, local_shard
+from autopar_passes.lower_stages import StageProgram, pipeline_mesh_spec, stage_mesh
+from autopar_passes.trace import TracedModel
+from autopar_plans.errors import UsageError
+from autopar_plans.plan import Parallelism, Plan
 
 Loss = Callable[[Any, torch.Tensor], torch.Tensor]
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from plans.errors import UsageError
+from autopar_plans.errors import UsageError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

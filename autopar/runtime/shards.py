@@ -1,11 +1,11 @@
 """Where a whole tensor's pieces lie: this rank's slice, the gathered whole, DTensor's words.
 
-A ``plans.Layout`` holds one placement per mesh axis; a dim split by several axes is split
-by the first axis, then each piece by the next (the order of ``passes.lower_spmd``'s
+A ``autopar_plans.Layout`` holds one placement per mesh axis; a dim split by several axes is split
+by the first axis, then each piece by the next (the order of ``autopar_passes.lower_spmd``'s
 ``local_shard`` and of DTensor). For a (4, 16) tensor in ``Layout(S(0), R)`` on a (2, 2)
 mesh, the rank at coordinates (1, 0) holds rows 2..3:
 
->>> from plans.placement import Layout, Replicate, Shard
+>>> from autopar_plans.placement import Layout, Replicate, Shard
 >>> local_slices((4, 16), Layout(Shard(0), Replicate()), (1, 0), (2, 2))
 (slice(2, 4, None), slice(0, 16, None))
 """
@@ -23,8 +23,8 @@ from torch.distributed.tensor import Shard as TorchShard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from autopar.runtime.comm import AxisGroup
-from plans.errors import UsageError
-from plans.placement import Layout, Replicate, Shard
+from autopar_plans.errors import UsageError
+from autopar_plans.placement import Layout, Replicate, Shard
 
 
 def local_slices(

@@ -9,7 +9,7 @@ must only ever see this device's piece. So, as DeepSpeed's ZeRO does:
   optimizer state's layout, ``shards.torch_placements``);
 - the lowered graph reads a *working* copy in the parameter's own layout, all-gathered from
   the masters before a forward whenever a master changed (after an optimizer step). Under
-  mixed precision a parameter that only matmuls read (``passes.mixed_precision``) has its
+  mixed precision a parameter that only matmuls read (``autopar_passes.mixed_precision``) has its
   working copy, and so its working gradient, in the compute dtype: the values autocast
   would cast it to, half the bytes held and gathered (DeepSpeed's 16-bit working weights
   beside fp32 masters; FSDP2's ``param_dtype``);
@@ -53,7 +53,7 @@ from autopar.runtime.collectives import start_reduce_scatter_rows, unflatten
 from autopar.runtime.comm import AxisGroup
 from autopar.runtime.param_groups import gather_group, reduce_scatter_group, scatter_rows
 from autopar.runtime.shards import local_of, set_local_grad
-from plans.buckets import open_buckets
+from autopar_plans.buckets import open_buckets
 
 
 @dataclass

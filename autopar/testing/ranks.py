@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 PRELOAD = (
     "torch.distributed",
     "autopar.runtime.compiled",
-    "examples.models",
+    "autopar_examples.models",
     "transformers.modeling_utils",
 )
 

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from passes.from_plan import PlanLayouts
-from passes.lower_spmd import emit_reshard, local_shard, lower_spmd
-from passes.trace import TracedModel
-from plans.placement import Layout, Partial, Replicate, Shard
-from plans.plan import Plan
+from autopar_passes.from_plan import PlanLayouts
+from autopar_passes.lower_spmd import emit_reshard, local_shard, lower_spmd
+from autopar_passes.trace import TracedModel
+from autopar_plans.placement import Layout, Partial, Replicate, Shard
+from autopar_plans.plan import Plan
 
 
 class _Exchange:

@@ -2,7 +2,7 @@
 
 Every factory returns ``(model, example_inputs)`` for ``model(*example_inputs)``:
 
->>> from examples.models import build, llama3_8b
+>>> from autopar_examples.models import build, llama3_8b
 >>> model, (idx,) = llama3_8b(device="meta", n_layer=2)   # shapes only, no weights
 >>> model, inputs = build("gpt-tiny")                      # real weights, runs on CPU
 
@@ -10,12 +10,12 @@ Model families (each a factory over a config dataclass): :func:`gpt`, :func:`lla
 :func:`moe`, :func:`mlp`. Published sizes and tiny test sizes: :data:`PRESETS`.
 """
 
-from examples.models._build import Built
-from examples.models.gpt import GPTConfig, gpt
-from examples.models.llama import LlamaConfig, llama
-from examples.models.mlp import MLPConfig, mlp
-from examples.models.moe import MoEConfig, moe
-from examples.models.presets import (
+from autopar_examples.models._build import Built
+from autopar_examples.models.gpt import GPTConfig, gpt
+from autopar_examples.models.llama import LlamaConfig, llama
+from autopar_examples.models.mlp import MLPConfig, mlp
+from autopar_examples.models.moe import MoEConfig, moe
+from autopar_examples.models.presets import (
     PRESETS,
     Preset,
     build,

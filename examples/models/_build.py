@@ -1,14 +1,14 @@
 """What every example model shares: checked configs, weight init, example inputs.
 
 A factory turns keyword arguments into a config with :func:`make_config`, so a misspelt key
-is a :class:`~plans.errors.UsageError` that lists the valid keys (closest first) instead of
+is a :class:`~autopar_plans.errors.UsageError` that lists the valid keys (closest first) instead of
 a ``TypeError`` from a dataclass constructor:
 
->>> from examples.models.gpt import GPTConfig
+>>> from autopar_examples.models.gpt import GPTConfig
 >>> make_config(GPTConfig, {"vocab_size": 8, "seq_len": 4, "n_layer": 1, "n_heads": 2})
 Traceback (most recent call last):
     ...
-plans.errors.UsageError: GPTConfig has no key 'n_heads'; valid keys: n_head, ...
+autopar_plans.errors.UsageError: GPTConfig has no key 'n_heads'; valid keys: n_head, ...
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, TypeAlias, TypeVar
 import torch
 from torch import nn
 
-from plans.errors import UsageError
+from autopar_plans.errors import UsageError
 
 ConfigT = TypeVar("ConfigT")
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from examples.models._build import (
+from autopar_examples.models._build import (
     Built,
     check_divides,
     check_positive,
@@ -25,7 +25,7 @@ from examples.models._build import (
     make_config,
     normalize_dtype,
 )
-from plans.errors import UsageError
+from autopar_plans.errors import UsageError
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from examples.models._build import (
+from autopar_examples.models._build import (
     Built,
     check_divides,
     check_positive,
@@ -29,7 +29,7 @@ from examples.models._build import (
     make_config,
     normalize_dtype,
 )
-from plans.errors import UsageError
+from autopar_plans.errors import UsageError
 
 RESIDUAL_PROJECTIONS = ("attn.o_proj.weight", "mlp.down_proj.weight")
 """Parameters that write into the residual stream; their init std is scaled down."""

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from examples.models._build import (
+from autopar_examples.models._build import (
     Built,
     check_positive,
     init_weights,

@@ -30,7 +30,7 @@ shape, so ``torch.export`` sees no data-dependent shape:
   parallelism (``docs/ARCHITECTURE.md``, "Mixture-of-experts").
 
 ``dispatch="index"`` swaps the block for Mixtral's sparse routing as Hugging Face writes it
-(``examples.models.moe_sparse``).
+(``autopar_examples.models.moe_sparse``).
 
 The auxiliary load-balancing loss is Switch Transformer's (Fedus et al. 2021, eq. 4):
 ``E * sum_e f_e * p_e`` with f_e the fraction of tokens whose first choice is e and p_e the
@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from examples.models._build import (
+from autopar_examples.models._build import (
     Built,
     check_positive,
     example_tokens,
@@ -56,8 +56,8 @@ from examples.models._build import (
     is_meta,
     make_config,
 )
-from examples.models.llama import Attention, LlamaConfig, RMSNorm
-from plans.errors import UsageError
+from autopar_examples.models.llama import Attention, LlamaConfig, RMSNorm
+from autopar_plans.errors import UsageError
 
 RESIDUAL_PROJECTIONS = ("attn.o_proj.weight", "experts.w_down")
 """Parameters that write into the residual stream; their init std is scaled down."""
@@ -210,7 +210,7 @@ class MoE(nn.Module):
 def moe_layer(cfg: MoEConfig) -> nn.Module:
     """The MoE layer ``cfg.dispatch`` names: :class:`MoE`, or Mixtral's sparse block."""
     if cfg.dispatch == "index":
-        from examples.models.moe_sparse import SparseMoE  # it imports this module
+        from autopar_examples.models.moe_sparse import SparseMoE  # it imports this module
 
         return SparseMoE(cfg)
     return MoE(cfg)

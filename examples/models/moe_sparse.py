@@ -23,7 +23,7 @@ Expert weights here are separate modules, not one tensor with an expert dim, so 
 rules cannot shard experts over a mesh axis: this block plans with the slower strategies
 its ops allow (tokens gathered, experts tensor-parallel or replicated).
 
->>> from examples.models.moe import moe
+>>> from autopar_examples.models.moe import moe
 >>> model, (idx,) = moe(vocab_size=64, seq_len=8, n_layer=1, n_head=4, d_model=32,
 ...                     d_ff=64, n_experts=4, top_k=2, dispatch="index")
 >>> logits, aux_loss = model(idx)
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from examples.models.moe import MoEConfig, expert_capacity, load_balancing_loss
+from autopar_examples.models.moe import MoEConfig, expert_capacity, load_balancing_loss
 
 
 class ExpertMLP(nn.Module):

@@ -7,8 +7,8 @@ torch.Size([1, 8192])
 ['gpt-tiny', 'gpt2-124m', 'gpt3-1.3b']
 
 Each preset also has a function with an identifier name (``llama3_8b(**overrides)``), so
-``examples.models:llama3_8b`` names a callable on the command line. Overrides replace any
-config field; an unknown field or preset name is a :class:`~plans.errors.UsageError`.
+``autopar_examples.models:llama3_8b`` names a callable on the command line. Overrides replace any
+config field; an unknown field or preset name is a :class:`~autopar_plans.errors.UsageError`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from examples.models._build import Built, closest_first
-from examples.models.gpt import gpt
-from examples.models.llama import llama
-from examples.models.mlp import mlp
-from examples.models.moe import moe
-from plans.errors import UsageError
+from autopar_examples.models._build import Built, closest_first
+from autopar_examples.models.gpt import gpt
+from autopar_examples.models.llama import llama
+from autopar_examples.models.mlp import mlp
+from autopar_examples.models.moe import moe
+from autopar_plans.errors import UsageError
 
 
 class Preset(NamedTuple):

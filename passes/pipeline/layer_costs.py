@@ -18,15 +18,15 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from passes.annotation import META_KEY, NodeAnnotation, TensorInfo, dtype_itemsize
-from passes.costs import CallKey, CostModel, SyncCall
-from passes.mixed_precision import autocast_dtypes
-from passes.problem import copy_bytes, first_keepers, is_regathered, sole_keepers
-from passes.recompute import chosen_layers
-from passes.solve import Solved
-from passes.strategies.types import Strategy
-from passes.trace import TracedModel
-from plans.placement import Layout
+from autopar_passes.annotation import META_KEY, NodeAnnotation, TensorInfo, dtype_itemsize
+from autopar_passes.costs import CallKey, CostModel, SyncCall
+from autopar_passes.mixed_precision import autocast_dtypes
+from autopar_passes.problem import copy_bytes, first_keepers, is_regathered, sole_keepers
+from autopar_passes.recompute import chosen_layers
+from autopar_passes.solve import Solved
+from autopar_passes.strategies.types import Strategy
+from autopar_passes.trace import TracedModel
+from autopar_plans.placement import Layout
 
 
 @dataclass(eq=False)  # parts are told apart by identity
@@ -49,7 +49,7 @@ class Part:
     gather_s: float = 0.0
     activations: float = 0.0  # saved bytes, one microbatch
     states: float = 0.0  # parameters + gradients + optimizer states
-    # the three apart, as ``plans.MemoryBreakdown`` reports them: (params, grads, optimizer)
+    # the three apart, as ``autopar_plans.MemoryBreakdown`` reports them: (params, grads, optimizer)
     state_terms: tuple[float, float, float] = (0.0, 0.0, 0.0)
     sync_s: float = 0.0  # gradient synchronisation, one pass (``CostModel.sync_passes``)
     step_s: float = 0.0  # after the optimizer step: ZeRO's gathers of the masters
@@ -133,7 +133,7 @@ def layer_costs(
 ) -> LayerCosts:
     """Split the solution's costs by layer (see the module docstring). ``autocast``: each
     node's dtype under the plan's autocast, when the caller has it
-    (``passes.mixed_precision.autocast_dtypes``)."""
+    (``autopar_passes.mixed_precision.autocast_dtypes``)."""
     container = traced.layers
     count = container.count if container else 0
     cost = replace(solved.cost, batch_scale=1.0)  # per traced microbatch; the search scales
@@ -277,7 +277,7 @@ def layer_costs(
 def recomputed_layers(solved: Solved) -> dict[int, tuple[float, float]]:
     """Layer index -> (activation bytes freed, forward seconds added) per traced
     microbatch, for the recompute regions the solver chose, in the layers
-    ``passes.recompute.chosen_layers`` gives them."""
+    ``autopar_passes.recompute.chosen_layers`` gives them."""
     found: dict[int, tuple[float, float]] = {}
     scale = solved.cost.batch_scale or 1.0
     layers_of = chosen_layers(solved.regions, solved.recompute)
@@ -308,7 +308,7 @@ def _boundary_bytes(
 ) -> float:
     """Bytes per device of the tensors ``part`` produces that later parts consume: what a
     pipeline cut after it sends to the next stage (its local shards, in the dtype the run
-    makes them: ``autocast``, ``passes.mixed_precision.autocast_dtypes``)."""
+    makes them: ``autocast``, ``autopar_passes.mixed_precision.autocast_dtypes``)."""
     mesh_shape = solved.cost.mesh_shape
     total = 0.0
     for node in traced.graph.nodes:

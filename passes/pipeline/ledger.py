@@ -1,12 +1,12 @@
-"""The communication ledger of a pipeline plan (``plans.ledger``): every collective and
+"""The communication ledger of a pipeline plan (``autopar_plans.ledger``): every collective and
 point-to-point transfer one step issues, stage by stage, read off the plan as the runtime
-lowers, splits and runs it (``passes.lower_spmd``, ``passes.lower_stages``,
+lowers, splits and runs it (``autopar_passes.lower_spmd``, ``autopar_passes.lower_stages``,
 ``autopar.runtime.pipeline``).
 
 Each physical stage ``s`` (its entries carry ``stage=s``) runs the pipeline stages
 ``c = s, s + p, ...`` (interleaved: several chunks) and, per microbatch:
 
-- the reshards of its chunks' programs, as ``passes.ledger`` prices them (a reshard of a
+- the reshards of its chunks' programs, as ``autopar_passes.ledger`` prices them (a reshard of a
   parameter that depends on nothing else runs in every chunk that reads it: a tied
   embedding's gathers run on the first stage and the last);
 - a ``send`` of each value its chunks hand on and a ``recv`` of each it is handed, forward;
@@ -17,7 +17,7 @@ Each physical stage ``s`` (its entries carry ``stage=s``) runs the pipeline stag
 
 and per step:
 
-- the gradient sync and ZeRO of the parameters its chunks read (``passes.ledger``), in its
+- the gradient sync and ZeRO of the parameters its chunks read (``autopar_passes.ledger``), in its
   last microbatch's backward; a parameter two of its chunks share is summed after the
   schedule instead, exposed (``local_parts``: its gradient is whole only then);
 - a parameter several stages hold (a tied embedding and head) has its gradient summed
@@ -32,11 +32,11 @@ import math
 
 import torch
 
-from cost_model.collectives import MeshCost
-from cost_model.hardware import SharedCores
-from cost_model.schedule import schedule_time
-from passes.annotation import META_KEY
-from passes.ledger import (
+from autopar_cost_model.collectives import MeshCost
+from autopar_cost_model.hardware import SharedCores
+from autopar_cost_model.schedule import schedule_time
+from autopar_passes.annotation import META_KEY
+from autopar_passes.ledger import (
     Ledger,
     Reshard,
     Walk,
@@ -50,18 +50,18 @@ from passes.ledger import (
     stored_dtype,
     zero_entries,
 )
-from passes.lower_spmd import lower_spmd
-from passes.lower_stages import (
+from autopar_passes.lower_spmd import lower_spmd
+from autopar_passes.lower_stages import (
     StageProgram,
     holders,
     local_parts,
     pipeline_axis_name,
     split_stages,
 )
-from passes.trace import TracedModel
-from plans.ledger import CommEntry, sent
-from plans.placement import Replicate, Shard
-from plans.plan import Estimate, Plan
+from autopar_passes.trace import TracedModel
+from autopar_plans.ledger import CommEntry, sent
+from autopar_plans.placement import Replicate, Shard
+from autopar_plans.plan import Estimate, Plan
 
 LOSS_DTYPE = "float32"  # the loss each rank returns, as autocast leaves a reduction
 
@@ -249,8 +249,8 @@ def with_pipeline_ledger(
 
     Stage ``s`` takes ``T_s = compute_s[s]`` (one microbatch, fwd + bwd) plus its blocking
     communication per microbatch (reshards, hand-offs); the schedule takes
-    ``cost_model.step.pipeline_time(T, m, v)``, or where the devices share cores
-    (``cores``) the simulated schedule's span (``cost_model.schedule.schedule_time``; a
+    ``autopar_cost_model.step.pipeline_time(T, m, v)``, or where the devices share cores
+    (``cores``) the simulated schedule's span (``autopar_cost_model.schedule.schedule_time``; a
     stage's ``replicas`` devices compute together). Each stage then adds what stays exposed of
     its gradient sync (in its last microbatch's backward, ``hide_overlapped``; the stages
     before it still run theirs, which hides the rest) and of what runs after the schedule
@@ -267,7 +267,7 @@ def with_pipeline_ledger(
         mine = hide_overlapped(mine, m, backward_s[s], sum(backward_s[:s]), overlap)
         priced += mine
         # what blocks each microbatch: reshards and hand-offs whole, FSDP's prefetched
-        # gathers their exposed part (``passes.ledger.hide_prefetched``)
+        # gathers their exposed part (``autopar_passes.ledger.hide_prefetched``)
         blocking = sum(
             e.time_s if e.overlap == "none" else e.exposed_s
             for e in mine

@@ -17,8 +17,8 @@ node of a stage upward, are planned on the model traced again at the smallest of
 ``global_batch / b`` microbatches make a step. ``p = 1`` is plain gradient accumulation
 (schedule ``none``), so a pipeline is chosen only when it beats not having one.
 
-Step time of a pipeline (``cost_model.step.pipeline_time``; where devices share cores, the
-simulated schedule, ``cost_model.schedule``)::
+Step time of a pipeline (``autopar_cost_model.step.pipeline_time``; where devices share cores, the
+simulated schedule, ``autopar_cost_model.schedule``)::
 
     (sum_s T_s + (m v - 1) max_s T_s) / v + exposed gradient sync
 
@@ -33,20 +33,20 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from cost_model.collectives import MeshCost
-from cost_model.compute import peak_flops
-from cost_model.hardware import load_preset
-from cost_model.memory import microbatches_in_flight
-from cost_model.schedule import schedule_time
-from cost_model.step import exposed_gradient_sync, mfu
-from passes.ilp import solve_ilp
-from passes.ledger import step_ledger, with_ledger
-from passes.mixed_precision import AutocastSaved, autocast_dtypes, autocast_saved
-from passes.pipeline.layer_costs import LayerCosts, Part, first_calls, layer_costs
-from passes.pipeline.ledger import pipeline_ledger, with_pipeline_ledger
-from passes.pipeline.stage_cut import StageCut, cut_stages, evaluate_cut
-from passes.plan_build import build_plan
-from passes.solve import (
+from autopar_cost_model.collectives import MeshCost
+from autopar_cost_model.compute import peak_flops
+from autopar_cost_model.hardware import load_preset
+from autopar_cost_model.memory import microbatches_in_flight
+from autopar_cost_model.schedule import schedule_time
+from autopar_cost_model.step import exposed_gradient_sync, mfu
+from autopar_passes.ilp import solve_ilp
+from autopar_passes.ledger import step_ledger, with_ledger
+from autopar_passes.mixed_precision import AutocastSaved, autocast_dtypes, autocast_saved
+from autopar_passes.pipeline.layer_costs import LayerCosts, Part, first_calls, layer_costs
+from autopar_passes.pipeline.ledger import pipeline_ledger, with_pipeline_ledger
+from autopar_passes.pipeline.stage_cut import StageCut, cut_stages, evaluate_cut
+from autopar_passes.plan_build import build_plan
+from autopar_passes.solve import (
     NothingFaster,
     Solved,
     SolveRequest,
@@ -54,11 +54,11 @@ from passes.solve import (
     solve_sharding,
     tie,
 )
-from passes.trace import TracedModel
-from plans.errors import AutoparError, InfeasiblePlanError, UsageError
-from plans.ledger import sent
-from plans.mesh import MeshSpec
-from plans.plan import (
+from autopar_passes.trace import TracedModel
+from autopar_plans.errors import AutoparError, InfeasiblePlanError, UsageError
+from autopar_plans.ledger import sent
+from autopar_plans.mesh import MeshSpec
+from autopar_plans.plan import (
     Alternative,
     Estimate,
     MemoryBreakdown,
@@ -67,7 +67,7 @@ from plans.plan import (
     Stage,
     StageEstimate,
 )
-from plans.units import format_bytes
+from autopar_plans.units import format_bytes
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -224,7 +224,7 @@ def _stage_budgets(
     activations in it).
 
     The heaviest stage holds ``c = ceil(L / p)`` of the ``L`` layers, and the first stage
-    ``k`` microbatches in flight (``cost_model.memory.microbatches_in_flight``): under 1F1B
+    ``k`` microbatches in flight (``autopar_cost_model.memory.microbatches_in_flight``): under 1F1B
     ``min(p, m)`` (Narayanan et al. 2021), the least of the schedules searched (GPipe
     takes as long and holds ``m``); the schedule the user fixed otherwise. With the whole
     model's states ``S`` and one microbatch's activations ``A``, spread evenly over the
@@ -531,7 +531,7 @@ def _evaluate(
         parts = [costs.pre, *costs.layers, costs.post]
         # as the intra-op ILP counts it: compute, resharding and parameter gathers per
         # microbatch; gradient sync once (ZeRO-2: every microbatch), hidden bucket by bucket
-        # behind one backward each time (cost_model.step.exposed_gradient_sync); ZeRO's
+        # behind one backward each time (autopar_cost_model.step.exposed_gradient_sync); ZeRO's
         # gathers after the step
         time = sum(part.time_at(scale) for part in parts)
         states = sum(part.states for part in parts) - _shared_states(costs)
@@ -599,7 +599,7 @@ def _evaluate(
     # each stage syncs in its last microbatch's backward; the stages before it are still
     # running theirs (the first stage finishes last), which hides what its own does not
     # after the schedule a tied weight's gradient is summed across the end stages, and the
-    # loss broadcast from the last (``passes.pipeline.ledger``)
+    # loss broadcast from the last (``autopar_passes.pipeline.ledger``)
     link = mesh_cost.mesh.handoff_axis(p, p - 1)
     tied = mesh_cost.p2p(sent("all_reduce", costs.tied_grad_bytes, 2), link)
     loss = mesh_cost.p2p(4.0, link)

@@ -15,7 +15,7 @@ after the layers, choose ``x[i, s]`` (layer ``i`` runs on stage ``s``)::
              + [s = p-1] (w_post + f_{p-1} a_post) <= M          memory of stage s
 
 ``f_s`` is the number of microbatches stage ``s`` holds in flight under the schedule
-(``cost_model.memory.microbatches_in_flight``: m for GPipe, min(p - s, m) for 1F1B), ``c_s``
+(``autopar_cost_model.memory.microbatches_in_flight``: m for GPipe, min(p - s, m) for 1F1B), ``c_s``
 the point-to-point time of the activations stage ``s`` sends and receives, ``M`` the memory
 per device. Solved exactly by dynamic programming (``cut_stages``).
 """
@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cost_model.memory import microbatches_in_flight
-from passes.pipeline.layer_costs import LayerCosts
+from autopar_cost_model.memory import microbatches_in_flight
+from autopar_passes.pipeline.layer_costs import LayerCosts
 
 
 @dataclass(frozen=True)

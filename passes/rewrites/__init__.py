@@ -1,12 +1,12 @@
 """The rewrites of one rank's lowered program before it runs, in order (``REWRITES``).
 
-``passes.lower_spmd`` lowers the traced graph for one rank (a ``LoweredGraph``). Each
+``autopar_passes.lower_spmd`` lowers the traced graph for one rank (a ``LoweredGraph``). Each
 rewrite below then edits that rank's graphs in place, in this order, and counts the places
 it changed (``CompiledModel.rewrites`` keeps the counts):
 
 1. ``skip_output_adjoints`` (``output_boundary``): an all-reduce that only makes an output
    whole (the loss) skips its adjoint, every rank receiving the same gradient there.
-2. ``split_stages`` (pipeline plans; ``passes.lower_stages``): the graph cut into every
+2. ``split_stages`` (pipeline plans; ``autopar_passes.lower_stages``): the graph cut into every
    stage's program; the rank keeps its own stages' graphs, which the rest rewrite.
 3. ``fuse_projections`` (``fused_projection``): an exposed projection's einsum and bias
    add run as eager's one matmul with the bias.
@@ -32,14 +32,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from passes.lower_spmd import LoweredGraph
-from passes.lower_stages import StageProgram, split_stages
-from passes.rewrites.aligned_linear import align_linears
-from passes.rewrites.fused_projection import fuse_projections
-from passes.rewrites.output_boundary import skip_output_adjoints
-from passes.trace import TracedModel
-from plans.placement import zero_axes
-from plans.plan import Plan
+from autopar_passes.lower_spmd import LoweredGraph
+from autopar_passes.lower_stages import StageProgram, split_stages
+from autopar_passes.rewrites.aligned_linear import align_linears
+from autopar_passes.rewrites.fused_projection import fuse_projections
+from autopar_passes.rewrites.output_boundary import skip_output_adjoints
+from autopar_passes.trace import TracedModel
+from autopar_plans.placement import zero_axes
+from autopar_plans.plan import Plan
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """An exposed projection runs as eager runs it: one matmul with the bias in it.
 
-``passes.expose`` plans GPT's fused q/k/v projection as an einsum over the weight seen as
+``autopar_passes.expose`` plans GPT's fused q/k/v projection as an einsum over the weight seen as
 ``[K, C, Cin]`` plus a bias ``[K, C]``, so that the solver can shard heads::
 
     einsum = einsum("abi,kci->abkc", x, W3)
@@ -54,7 +54,7 @@ def projection(
 
 def fuse_projections(graph: torch.fx.Graph) -> int:
     """Rewrite, in place, each exposed projection of a rank's ``graph`` (an einsum of
-    ``passes.expose``'s form and the bias add that alone reads it) as one ``projection``
+    ``autopar_passes.expose``'s form and the bias add that alone reads it) as one ``projection``
     call; returns how many."""
     fused = 0
     for node in list(graph.nodes):

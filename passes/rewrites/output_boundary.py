@@ -1,6 +1,6 @@
 """The output boundary without a collective in backward: a whole loss costs one all-reduce.
 
-``passes.lower_spmd`` makes each output whole and scales its gradient by ``1/copies`` (the
+``autopar_passes.lower_spmd`` makes each output whole and scales its gradient by ``1/copies`` (the
 devices holding the same piece), because every device receives the same gradient from the
 user's loss, while inside the graph gradients are summands. For a partial output (a loss
 summed over the batch shards) the boundary reads::
@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from passes.local_ops import scale_grad
-from passes.lower_spmd import LoweredGraph
+from autopar_passes.local_ops import scale_grad
+from autopar_passes.lower_spmd import LoweredGraph
 
 
 def skip_output_adjoints(lowered: LoweredGraph, mesh_shape: tuple[int, ...]) -> int:

@@ -43,10 +43,10 @@ from __future__ import annotations
 
 import torch
 
-from passes.annotation import TensorInfo
-from passes.strategies.combine import AxisChoice, combine, replicate_choice
-from passes.strategies.types import LocalKind, OpCall, Rule, Strategy
-from plans.placement import REPLICATE, Placement, Shard
+from autopar_passes.annotation import TensorInfo
+from autopar_passes.strategies.combine import AxisChoice, combine, replicate_choice
+from autopar_passes.strategies.types import LocalKind, OpCall, Rule, Strategy
+from autopar_plans.placement import REPLICATE, Placement, Shard
 
 aten = torch.ops.aten
 

@@ -16,8 +16,8 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from passes.strategies.types import SAME, Local, OpCall, Strategy, all_fit
-from plans.placement import REPLICATE, Layout, Placement
+from autopar_passes.strategies.types import SAME, Local, OpCall, Strategy, all_fit
+from autopar_plans.placement import REPLICATE, Layout, Placement
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from passes.strategies.combine import AxisChoice, combine, replicate_choice
-from passes.strategies.types import OpCall, Strategy
-from plans.placement import PARTIAL, REPLICATE, Placement, Shard
+from autopar_passes.strategies.combine import AxisChoice, combine, replicate_choice
+from autopar_passes.strategies.types import OpCall, Strategy
+from autopar_plans.placement import PARTIAL, REPLICATE, Placement, Shard
 
 Operand = tuple[str, Literal["mul", "add"]]
 

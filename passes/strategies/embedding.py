@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
-from passes import local_ops
-from passes.strategies.combine import AxisChoice, combine, replicate_choice
-from passes.strategies.types import Local, LocalKind, OpCall, Rule, Strategy
-from plans.placement import PARTIAL, REPLICATE, Shard
+from autopar_passes import local_ops
+from autopar_passes.strategies.combine import AxisChoice, combine, replicate_choice
+from autopar_passes.strategies.types import Local, LocalKind, OpCall, Rule, Strategy
+from autopar_plans.placement import PARTIAL, REPLICATE, Shard
 
 aten = torch.ops.aten
 

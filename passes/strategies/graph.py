@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from passes.annotation import META_KEY, NodeAnnotation, TensorInfo
-from passes.strategies.table import rules
-from passes.strategies.types import OpCall, Strategy, replicate_all
-from plans.placement import REPLICATE, Layout, Placement, Shard
+from autopar_passes.annotation import META_KEY, NodeAnnotation, TensorInfo
+from autopar_passes.strategies.table import rules
+from autopar_passes.strategies.types import OpCall, Strategy, replicate_all
+from autopar_plans.placement import REPLICATE, Layout, Placement, Shard
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +48,7 @@ class NodeChoices:
     call: OpCall | None = None
     note: NodeAnnotation | None = None
     # for an op: per tensor input, the parameter it reads directly (a parameter
-    # placeholder), else None; what ``passes.experts`` reads to find expert weights
+    # placeholder), else None; what ``autopar_passes.experts`` reads to find expert weights
     params: tuple[str | None, ...] = ()
 
 

@@ -2,7 +2,7 @@
 
 Shape arguments (``view``'s size, ``expand``'s sizes, ``new_zeros``' size) describe the
 *global* output; on a device they must describe its *local* piece. Everything else is the
-same, except the special ``Local`` kinds, which call a function of ``passes.local_ops``.
+same, except the special ``Local`` kinds, which call a function of ``autopar_passes.local_ops``.
 Shared by the lowering and by the brute-force rule check, so what is checked is what runs.
 """
 
@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from passes import local_ops
-from passes.strategies.table import local_kinds
-from passes.strategies.types import OpCall, Strategy
+from autopar_passes import local_ops
+from autopar_passes.strategies.table import local_kinds
+from autopar_passes.strategies.types import OpCall, Strategy
 
 aten = torch.ops.aten
 

@@ -21,7 +21,7 @@ sharded dim depends on ``reduction``:
   device scales its partial sum (``Local("scale", (1 / p,))``, ``p`` the pieces the
   elements are cut into). With class-index targets the count is the number of targets not
   equal to ``ignore_index`` (or their summed weights), known only from the data: nothing is
-  sharded. ``passes.decompose`` rewrites those calls into a sum-reduced loss divided by
+  sharded. ``autopar_passes.decompose`` rewrites those calls into a sum-reduced loss divided by
   that count before strategies are made.
 """
 
@@ -29,10 +29,16 @@ from __future__ import annotations
 
 import torch
 
-from passes.strategies.combine import AxisChoice, combine, replicate_choice
-from passes.strategies.reduction import REDUCED, input_roles, mean_local, role_choice, schema_args
-from passes.strategies.types import LocalKind, OpCall, Rule, Strategy
-from plans.placement import PARTIAL, REPLICATE, Shard
+from autopar_passes.strategies.combine import AxisChoice, combine, replicate_choice
+from autopar_passes.strategies.reduction import (
+    REDUCED,
+    input_roles,
+    mean_local,
+    role_choice,
+    schema_args,
+)
+from autopar_passes.strategies.types import LocalKind, OpCall, Rule, Strategy
+from autopar_plans.placement import PARTIAL, REPLICATE, Shard
 
 aten = torch.ops.aten
 
@@ -86,7 +92,7 @@ def cross_entropy_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strate
     """cross_entropy_loss(input [N, C, d1...] or [C], target, weight, reduction,
     ignore_index, label_smoothing): N and d1... may be sharded, in input and target alike;
     never the class dim. A mean over class-index targets divides by a data-dependent count,
-    so it is not sharded (see ``passes.decompose``); over probability targets it divides by
+    so it is not sharded (see ``autopar_passes.decompose``); over probability targets it divides by
     the number of positions, so it is."""
     dims, probabilities = _class_dims(call)
     return _loss_strategies(call, mesh_shape, dims, static_count=probabilities)

@@ -1,4 +1,4 @@
-"""Matmul family: every rule is one einsum (``passes.strategies.einsum``).
+"""Matmul family: every rule is one einsum (``autopar_passes.strategies.einsum``).
 
 =====================  =====================================
 op                     einsum
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from passes.strategies.einsum import Operand, batch_letters, einsum_strategies
-from passes.strategies.types import OpCall, Rule, Strategy
+from autopar_passes.strategies.einsum import Operand, batch_letters, einsum_strategies
+from autopar_passes.strategies.types import OpCall, Rule, Strategy
 
 aten = torch.ops.aten
 

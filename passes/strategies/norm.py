@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from passes.strategies.combine import AxisChoice, combine, replicate_choice
-from passes.strategies.reduction import input_roles, role_choice, schema_args
-from passes.strategies.types import LocalKind, OpCall, Rule, Strategy
-from plans.placement import Shard
+from autopar_passes.strategies.combine import AxisChoice, combine, replicate_choice
+from autopar_passes.strategies.reduction import input_roles, role_choice, schema_args
+from autopar_passes.strategies.types import LocalKind, OpCall, Rule, Strategy
+from autopar_plans.placement import Shard
 
 aten = torch.ops.aten
 

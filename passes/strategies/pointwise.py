@@ -34,7 +34,7 @@ seed drawn from torch's global generator is the same everywhere; each device add
 index over the axes that shard the output and draws its mask from a private generator
 seeded with that (``dropout_on_device``).
 
->>> from passes.strategies.validate import op_call
+>>> from autopar_passes.strategies.validate import op_call
 >>> x = torch.ones(4, 8, dtype=torch.float64)
 >>> [s.name for s in additive_rule(op_call(aten.add.Tensor, (x, x), {}), (2,))]
 ['R,R->R', 'S(0),S(0)->S(0)', 'S(1),S(1)->S(1)', 'P,P->P']
@@ -47,9 +47,9 @@ from typing import Any
 
 import torch
 
-from passes.annotation import TensorInfo
-from passes.strategies.combine import AxisChoice, combine, replicate_choice
-from passes.strategies.types import (
+from autopar_passes.annotation import TensorInfo
+from autopar_passes.strategies.combine import AxisChoice, combine, replicate_choice
+from autopar_passes.strategies.types import (
     Local,
     LocalKind,
     OpCall,
@@ -58,7 +58,7 @@ from passes.strategies.types import (
     dtype_of,
     normalize_dim,
 )
-from plans.placement import PARTIAL, REPLICATE, Placement, Shard
+from autopar_plans.placement import PARTIAL, REPLICATE, Placement, Shard
 
 aten = torch.ops.aten
 

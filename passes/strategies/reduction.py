@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 
-from passes.annotation import TensorInfo
-from passes.strategies.combine import AxisChoice, combine, replicate_choice
-from passes.strategies.types import (
+from autopar_passes.annotation import TensorInfo
+from autopar_passes.strategies.combine import AxisChoice, combine, replicate_choice
+from autopar_passes.strategies.types import (
     SAME,
     Local,
     LocalKind,
@@ -50,7 +50,7 @@ from passes.strategies.types import (
     dtype_of,
     normalize_dim,
 )
-from plans.placement import PARTIAL, REPLICATE, Placement, Shard
+from autopar_plans.placement import PARTIAL, REPLICATE, Placement, Shard
 
 aten = torch.ops.aten
 

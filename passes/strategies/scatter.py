@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import torch
 
-from passes.annotation import TensorInfo
-from passes.strategies.combine import AxisChoice, combine, replicate_choice
-from passes.strategies.types import OpCall, Rule, Strategy, dtype_of, normalize_dim
-from plans.placement import PARTIAL, REPLICATE, Shard
+from autopar_passes.annotation import TensorInfo
+from autopar_passes.strategies.combine import AxisChoice, combine, replicate_choice
+from autopar_passes.strategies.types import OpCall, Rule, Strategy, dtype_of, normalize_dim
+from autopar_plans.placement import PARTIAL, REPLICATE, Shard
 
 aten = torch.ops.aten
 

@@ -1,7 +1,7 @@
 """The rule table: every ATen op autopar can shard, one small function each, by family.
 
 Each family module exports ``RULES`` (op -> rule) and may export ``LOCALS`` (special local
-kinds its strategies use, see ``passes.strategies.localize``). This file only merges them;
+kinds its strategies use, see ``autopar_passes.strategies.localize``). This file only merges them;
 a new op is one function in the right family file and one line in its ``RULES``.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from functools import cache
 from types import MappingProxyType
 
-from passes.strategies import (
+from autopar_passes.strategies import (
     attention,
     embedding,
     loss,
@@ -22,7 +22,7 @@ from passes.strategies import (
     scatter,
     view,
 )
-from passes.strategies.types import LocalKind, Rule
+from autopar_passes.strategies.types import LocalKind, Rule
 
 FAMILIES = (matmul, pointwise, view, reduction, norm, attention, embedding, loss, scatter)
 

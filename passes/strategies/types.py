@@ -3,7 +3,7 @@
 A rule is a pure function ``rule(call, mesh_shape) -> list[Strategy]``: no costs, no
 graph. Each strategy says which layout every tensor input must arrive in, which layout each
 output leaves in, into how many pieces the op's work is split, and how the lowering runs it
-on one device (``Local``). Costs are added by ``passes.strategies.cost``: compute from the
+on one device (``Local``). Costs are added by ``autopar_passes.strategies.cost``: compute from the
 annotation divided by ``split``, memory from the output layouts, resharding from the edges.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from passes.annotation import TensorInfo
-from plans.placement import Layout, Partial, Replicate, Shard
+from autopar_passes.annotation import TensorInfo
+from autopar_plans.placement import Layout, Partial, Replicate, Shard
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +46,7 @@ class Local:
 
     ``kind`` is ``"same"`` (the same op on local shards, shape arguments made local) or the
     name of a special local op (``"scale"``, ``"vocab_embedding"``, ...) that
-    ``passes.lower_spmd`` emits; ``params`` are its arguments (hashable).
+    ``autopar_passes.lower_spmd`` emits; ``params`` are its arguments (hashable).
     """
 
     kind: str = "same"

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from passes.annotation import TensorInfo, dtype_name
-from passes.strategies.localize import localize
-from passes.strategies.types import OpCall, Rule, Strategy
-from plans.placement import Layout, Partial, Replicate, Shard
+from autopar_passes.annotation import TensorInfo, dtype_name
+from autopar_passes.strategies.localize import localize
+from autopar_passes.strategies.types import OpCall, Rule, Strategy
+from autopar_plans.placement import Layout, Partial, Replicate, Shard
 
 
 @dataclass(frozen=True, slots=True)

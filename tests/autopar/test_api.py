@@ -13,7 +13,7 @@ from torch import nn
 
 import autopar
 from autopar.testing.ranks import run_ranks
-from examples.models import build
+from autopar_examples.models import build
 
 pytestmark = pytest.mark.multirank
 

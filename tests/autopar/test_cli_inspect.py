@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from plans import Plan, load_plan, save_plan
-from plans.placement import Layout, Replicate, Shard
-from plans.units import format_bytes
+from autopar_plans import Plan, load_plan, save_plan
+from autopar_plans.placement import Layout, Replicate, Shard
+from autopar_plans.units import format_bytes
 
 MEGATRON = Path(__file__).resolve().parents[2] / "examples" / "hints" / "megatron.yaml"
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from plans import Plan, load_plan
+from autopar_plans import Plan, load_plan
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.mesh import LAUNCH_ENV, local_rank
-from plans import UsageError
+from autopar_plans import UsageError
 
 
 def test_without_a_process_group_or_a_launcher_the_mesh_says_how_to_launch(monkeypatch):

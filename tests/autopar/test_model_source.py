@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from autopar.model_source import build_model, parse_config
-from plans import UsageError
+from autopar_plans import UsageError
 
 
 def test_preset_name():
@@ -14,9 +14,9 @@ def test_preset_name():
 
 
 def test_module_and_factory_with_config():
-    model, _, name = build_model("examples.models:gpt_tiny", {"n_layer": 3})
+    model, _, name = build_model("autopar_examples.models:gpt_tiny", {"n_layer": 3})
     assert len(model.layers) == 3
-    assert name == "examples.models:gpt_tiny"
+    assert name == "autopar_examples.models:gpt_tiny"
 
 
 def test_file_and_factory_on_meta():
@@ -51,10 +51,10 @@ def test_config_values_are_typed():
     ("spec", "message"),
     [
         ("no/such/file.py:f", "no such file"),
-        ("examples.models:gpt_tiy", "did you mean gpt_tiny"),
+        ("autopar_examples.models:gpt_tiy", "did you mean gpt_tiny"),
         ("no_such_package.mod:f", "cannot import module"),
         ("gpt-tiyn", "did you mean gpt-tiny"),
-        ("examples.models:", "write path/to/file.py:factory"),
+        ("autopar_examples.models:", "write path/to/file.py:factory"),
     ],
 )
 def test_bad_model_strings(spec, message):

@@ -10,8 +10,8 @@ import torch
 
 import autopar
 from autopar.testing.simulate import first_mismatch
-from examples.models import build
-from passes.trace import trace
+from autopar_examples.models import build
+from autopar_passes.trace import trace
 
 CASES = [
     (model, shape, device, style)
@@ -50,7 +50,7 @@ def test_the_simulator_finds_a_wrong_layout():
     mesh = autopar.Mesh((2,), device="cpu")
     plan = autopar.plan(module, mesh, inputs, force="dp")
     traced = trace(module, inputs)
-    from passes.from_plan import PlanLayouts
+    from autopar_passes.from_plan import PlanLayouts
 
     layouts = PlanLayouts(traced, plan)
     layouts.layouts[("linear_1", 0)] = autopar.Layout(autopar.Replicate())  # a lie

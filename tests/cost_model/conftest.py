@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from cost_model import DevicePreset, Efficiency, Link
+from autopar_cost_model import DevicePreset, Efficiency, Link
 
 
 def synthetic_preset(

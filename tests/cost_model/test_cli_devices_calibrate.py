@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from cost_model import load_preset
-from cost_model.hardware import PRESET_PATH_ENV
+from autopar_cost_model import load_preset
+from autopar_cost_model.hardware import PRESET_PATH_ENV
 
 
 def autopar(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

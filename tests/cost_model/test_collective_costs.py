@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from cost_model import MeshCost, collective_cost, load_preset, tp_traffic_per_layer
-from plans import MeshSpec
+from autopar_cost_model import MeshCost, collective_cost, load_preset, tp_traffic_per_layer
+from autopar_plans import MeshSpec
 
 S = 3 * 2**30  # bytes: large, and not a multiple of every n so rounding would show
 B = 100e9  # intra-node bytes/s of the synthetic preset
@@ -152,7 +152,7 @@ def test_megatron_tensor_parallel_traffic_equals_four_all_reduces(make_preset):
 
 
 def test_unknown_collective_and_axis_are_refused(make_preset):
-    from plans.errors import UsageError
+    from autopar_plans.errors import UsageError
 
     cost = MeshCost(MeshSpec((2, 2), ("x", "y")), make_preset())
     with pytest.raises(UsageError, match="unknown collective"):
@@ -175,7 +175,7 @@ def test_a_collective_reads_its_own_bandwidth_by_kind_and_message_size(make_pres
     """``Link.bandwidth_by_kind``: gloo's all-gather at half the link's bandwidth; an
     all-reduce's bandwidth growing with the message, read between the measured sizes on a
     log scale (1 GB/s at 1 MiB, 4 GB/s at 64 MiB: 2.5 GB/s at 8 MiB)."""
-    from cost_model import Link
+    from autopar_cost_model import Link
 
     link = Link(
         bandwidth=10e9,
@@ -194,7 +194,7 @@ def test_a_collective_reads_its_own_bandwidth_by_kind_and_message_size(make_pres
 def test_bandwidths_by_kind_must_name_collectives_and_grow_in_size():
     from pydantic import ValidationError
 
-    from cost_model import Link
+    from autopar_cost_model import Link
 
     with pytest.raises(ValidationError, match="unknown collectives"):
         Link(bandwidth=1e9, latency=0.0, bandwidth_by_kind={"allgather": 1e9})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cost_model import gpt_flops_per_iteration, gpt_params, matmul_flops
+from autopar_cost_model import gpt_flops_per_iteration, gpt_params, matmul_flops
 
 
 def gemm_flops_forward(B: int, s: int, l: int, h: int, V: int) -> int:  # noqa: E741

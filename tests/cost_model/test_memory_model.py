@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cost_model import (
+from autopar_cost_model import (
     ParamLayouts,
     activation_memory,
     device_memory,
@@ -14,8 +14,8 @@ from cost_model import (
     param_state_bytes,
     saved_activation_bytes,
 )
-from plans import Layout, MeshSpec, ParamPlan, Replicate, Shard
-from plans.errors import UsageError
+from autopar_plans import Layout, MeshSpec, ParamPlan, Replicate, Shard
+from autopar_plans.errors import UsageError
 
 R = Replicate()
 GB = 1e9

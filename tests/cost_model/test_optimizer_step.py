@@ -1,13 +1,13 @@
-"""The optimizer's step (``cost_model.optimizer``): memory-bound, the passes torch's foreach
+"""The optimizer's step (``autopar_cost_model.optimizer``): memory-bound, the passes torch's foreach
 implementations make over the values, and the host's time per op and tensor on a CPU."""
 
 from __future__ import annotations
 
 import pytest
 
-from cost_model.hardware import OpOverhead
-from cost_model.optimizer import STEP_TRAFFIC, optimizer_step_time
-from plans.errors import UsageError
+from autopar_cost_model.hardware import OpOverhead
+from autopar_cost_model.optimizer import STEP_TRAFFIC, optimizer_step_time
+from autopar_plans.errors import UsageError
 
 
 def test_adamw_streams_twenty_passes_of_its_values(make_preset):

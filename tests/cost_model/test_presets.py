@@ -8,9 +8,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cost_model import known_preset_names, list_presets, load_preset, preset_dirs, save_preset
-from cost_model.hardware import BUILTIN_PRESET_DIR, PRESET_PATH_ENV
-from plans.errors import PresetError
+from autopar_cost_model import (
+    known_preset_names,
+    list_presets,
+    load_preset,
+    preset_dirs,
+    save_preset,
+)
+from autopar_cost_model.hardware import BUILTIN_PRESET_DIR, PRESET_PATH_ENV
+from autopar_plans.errors import PresetError
 
 # shared/REFERENCE.md, "Hardware" (vendor datasheets): bf16 dense TFLOP/s, HBM GB/s,
 # NVLink GB/s bidirectional; InfiniBand HDR 25 GB/s, NDR 50 GB/s per direction per GPU.

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from cost_model import MeshCost, reshard_cost
-from plans import Layout, MeshSpec, Partial, Replicate, Shard
+from autopar_cost_model import MeshCost, reshard_cost
+from autopar_plans import Layout, MeshSpec, Partial, Replicate, Shard
 
 R, P = Replicate(), Partial()
 SHAPE = (1024, 512)
@@ -125,7 +125,7 @@ def test_reshard_is_cached(grid):
 
 
 def test_bad_layouts_are_refused(line):
-    from plans.errors import UsageError
+    from autopar_plans.errors import UsageError
 
     with pytest.raises(UsageError, match="placements"):
         line.reshard(Layout(R, R), Layout(R), SHAPE, ITEM)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cost_model import (
+from autopar_cost_model import (
     backward_flops,
     backward_time,
     is_compute_bound,
@@ -114,8 +114,8 @@ def test_op_rates_refuse_unknown_families_dtypes_and_unordered_sizes(make_preset
 def test_in_step_scales_the_roofline_time_of_every_op():
     """``in_step`` (fitted by ``autopar calibrate``): ops inside a step run that much slower
     than alone, compute-bound and memory-bound alike."""
-    from cost_model.compute import op_time
-    from cost_model.hardware import load_preset
+    from autopar_cost_model.compute import op_time
+    from autopar_cost_model.hardware import load_preset
 
     cpu = load_preset("cpu")
     slower = cpu.model_copy(update={"in_step": 1.5})

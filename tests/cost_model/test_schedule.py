@@ -1,13 +1,13 @@
 """The simulated pipeline schedule: the closed form where each device has its cores, and
-where ranks share fewer cores, faster while some wait (``cost_model.schedule``)."""
+where ranks share fewer cores, faster while some wait (``autopar_cost_model.schedule``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from cost_model.hardware import SharedCores
-from cost_model.schedule import makespan, schedule_time, simulate
-from cost_model.step import pipeline_time
+from autopar_cost_model.hardware import SharedCores
+from autopar_cost_model.schedule import makespan, schedule_time, simulate
+from autopar_cost_model.step import pipeline_time
 
 STAGES = 4
 FORWARD = [1.0, 1.0, 1.0, 1.0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cost_model import (
+from autopar_cost_model import (
     bubble_fraction,
     exposed_gradient_sync,
     exposed_overlap,
@@ -15,7 +15,7 @@ from cost_model import (
     step_time,
     to_estimate,
 )
-from plans.errors import UsageError
+from autopar_plans.errors import UsageError
 
 
 @pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 16), (8, 64), (8, 1)])

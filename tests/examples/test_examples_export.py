@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from examples.models import PRESETS, build
+from autopar_examples.models import PRESETS, build
 
 TINY = [name for name in PRESETS if name.endswith("-tiny")]
 FULL_SIZE = [name for name in PRESETS if not name.endswith("-tiny")]

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from examples.models import PRESETS, build
-from examples.models.llama import apply_rotary, repeat_kv, rotary_angles
-from plans.errors import UsageError
+from autopar_examples.models import PRESETS, build
+from autopar_examples.models.llama import apply_rotary, repeat_kv, rotary_angles
+from autopar_plans.errors import UsageError
 
 TINY = [name for name in PRESETS if name.endswith("-tiny")]
 

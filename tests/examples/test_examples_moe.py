@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from examples.models import build
-from examples.models.moe import MoE, expert_capacity, route
-from examples.models.moe_sparse import SparseMoE
-from plans.errors import UsageError
+from autopar_examples.models import build
+from autopar_examples.models.moe import MoE, expert_capacity, route
+from autopar_examples.models.moe_sparse import SparseMoE
+from autopar_plans.errors import UsageError
 
 E, D = 4, 32  # moe-tiny: 4 experts, d_model 32
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from examples import models
-from examples.models import PRESETS, build
-from plans.errors import UsageError
+from autopar_examples import models
+from autopar_examples.models import PRESETS, build
+from autopar_plans.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -145,7 +145,7 @@ def resolve(target: str) -> Callable[..., Any]:
 
 
 def test_cli_module_string_resolves_to_a_preset_factory() -> None:
-    model, _ = resolve("examples.models:llama3_8b")(device="meta", n_layer=1)
+    model, _ = resolve("autopar_examples.models:llama3_8b")(device="meta", n_layer=1)
     assert len(model.layers) == 1
 
 

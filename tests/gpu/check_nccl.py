@@ -14,7 +14,7 @@ reported and the rest still run):
    rtol 1e-4;
 3. ``precision="bf16_mixed"`` next to the eager model under the same autocast (rtol 2e-2);
 4. a GPT of odd vocabulary (1001) in ``bf16_mixed``: its lm_head runs padded on CUDA
-   (``passes.rewrites.aligned_linear``; not on CPU), losses as eager's (rtol 2e-2);
+   (``autopar_passes.rewrites.aligned_linear``; not on CPU), losses as eager's (rtol 2e-2);
 5. a sharded checkpoint (DCP) saved and loaded back into a fresh compiled model;
 6. for the bigger GPT, eager against compiled: median step time of ``--steps`` steps
    (after 3 warm-up steps) and peak memory (``torch.cuda.max_memory_allocated``) of each.
@@ -47,8 +47,8 @@ from torch import nn
 import autopar
 from autopar.runtime.collectives import AllGather, AllReduce, AllToAll, ReduceScatter
 from autopar.runtime.comm import AxisGroup, CommLog
-from examples.models import build, gpt
-from passes.rewrites.aligned_linear import aligned_linear
+from autopar_examples.models import build, gpt
+from autopar_passes.rewrites.aligned_linear import aligned_linear
 
 BIG = {"vocab_size": 8192, "seq_len": 256, "n_layer": 4, "n_head": 8, "d_model": 512}
 
@@ -180,7 +180,7 @@ def check_equivalence(run: Run, big: bool, precision: str = "fp32") -> str:
 
 def check_odd_vocabulary(run: Run) -> str:
     """The bigger GPT with a vocabulary of 1001 (odd, as GPT-2's 50257) in bf16_mixed: on
-    CUDA the lm_head runs padded to 1008 rows (``passes.rewrites.aligned_linear``), and
+    CUDA the lm_head runs padded to 1008 rows (``autopar_passes.rewrites.aligned_linear``), and
     trains as the eager model does under the same autocast."""
     model, idx, target = case(run, big=True, vocab_size=1001)
     reference = copy.deepcopy(model)

@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cost_model import load_preset
-from cost_model.collectives import MeshCost
-from passes.annotation import META_KEY
-from passes.costs import CostModel
-from passes.strategies.graph import graph_choices
-from passes.trace import trace
-from plans import MeshSpec
-from plans.placement import Shard
+from autopar_cost_model import load_preset
+from autopar_cost_model.collectives import MeshCost
+from autopar_passes.annotation import META_KEY
+from autopar_passes.costs import CostModel
+from autopar_passes.strategies.graph import graph_choices
+from autopar_passes.trace import trace
+from autopar_plans import MeshSpec
+from autopar_plans.placement import Shard
 
 DEVICES = 4
 BATCH, SEQ, VOCAB = 8, 16, 1000
@@ -81,8 +81,8 @@ def test_an_op_pays_the_hosts_time_to_issue_it(asynchronous):
     two add."""
     from types import SimpleNamespace
 
-    from cost_model.hardware import OpOverhead
-    from passes.annotation import NodeAnnotation, TensorInfo
+    from autopar_cost_model.hardware import OpOverhead
+    from autopar_passes.annotation import NodeAnnotation, TensorInfo
 
     preset = load_preset("h100-sxm")
     host = OpOverhead(forward=10e-6, backward=20e-6, asynchronous=asynchronous)
@@ -114,8 +114,8 @@ def test_a_smaller_microbatch_pays_each_ops_issue_again_and_its_matmuls_run_slow
     (``op_rates``), so half the batch takes more than half the kernel's time."""
     from types import SimpleNamespace
 
-    from cost_model.hardware import OpOverhead
-    from passes.annotation import NodeAnnotation, TensorInfo
+    from autopar_cost_model.hardware import OpOverhead
+    from autopar_passes.annotation import NodeAnnotation, TensorInfo
 
     cpu = load_preset("cpu")
     host = OpOverhead(forward=10e-6, backward=20e-6, asynchronous=False)

@@ -1,16 +1,17 @@
-"""The ILP's decisions (``passes.decisions``): followers and identical layers, merged exactly."""
+"""The ILP's decisions (``autopar_passes.decisions``): followers and identical layers, merged
+exactly."""
 
 from __future__ import annotations
 
 import pytest
 
 import autopar
-from examples.models import llama3_8b
-from passes.annotation import META_KEY
-from passes.decisions import group_decisions
-from passes.layer_sharing import layer_representatives
-from passes.strategies.graph import graph_choices
-from passes.trace import trace
+from autopar_examples.models import llama3_8b
+from autopar_passes.annotation import META_KEY
+from autopar_passes.decisions import group_decisions
+from autopar_passes.layer_sharing import layer_representatives
+from autopar_passes.strategies.graph import graph_choices
+from autopar_passes.trace import trace
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from passes.decompose import decompose_for_sharding
+from autopar_passes.decompose import decompose_for_sharding
 
 aten = torch.ops.aten
 N, C, D = 8, 5, 3

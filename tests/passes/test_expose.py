@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from examples.models import build
-from passes.trace import trace
+from autopar_examples.models import build
+from autopar_passes.trace import trace
 
 
 def run_graph(traced, model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -36,7 +36,7 @@ def test_fused_qkv_becomes_three_blocks_and_computes_the_same():
 
 
 def test_the_column_parallel_split_of_the_blocks_is_offered_to_the_solver():
-    from passes.strategies.graph import graph_choices
+    from autopar_passes.strategies.graph import graph_choices
 
     model, inputs = build("gpt-tiny")
     traced = trace(model, inputs)

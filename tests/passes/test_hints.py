@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from examples.models import build
-from passes.hints import hint_constraint, resolve_hints
-from passes.pipeline.search import PipelineRequest
-from passes.solve import SolveRequest
-from passes.strategies.graph import NodeChoices
-from passes.strategies.types import Strategy
-from passes.trace import TracedModel, trace
-from plans import HintError, InfeasiblePlanError, MeshSpec, Plan
-from plans.hints import HintConflictError, Hints, hints_from_text, load_hints
-from plans.placement import Layout, Partial, Replicate, Shard, format_spec
+from autopar_examples.models import build
+from autopar_passes.hints import hint_constraint, resolve_hints
+from autopar_passes.pipeline.search import PipelineRequest
+from autopar_passes.solve import SolveRequest
+from autopar_passes.strategies.graph import NodeChoices
+from autopar_passes.strategies.types import Strategy
+from autopar_passes.trace import TracedModel, trace
+from autopar_plans import HintError, InfeasiblePlanError, MeshSpec, Plan
+from autopar_plans.hints import HintConflictError, Hints, hints_from_text, load_hints
+from autopar_plans.placement import Layout, Partial, Replicate, Shard, format_spec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "hints"
 MESH = MeshSpec((2, 2), ("dp", "tp"), device="h100-sxm")

@@ -1,5 +1,5 @@
 """A solve asked to beat a plan in hand gives up when it finds none in a third of its time
-(``passes.ilp.GiveUp``), and then reports no plan, never a made-up one."""
+(``autopar_passes.ilp.GiveUp``), and then reports no plan, never a made-up one."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from passes import ilp
-from passes.ilp import GIB, GiveUp, IlpProblem, solve_ilp
+from autopar_passes import ilp
+from autopar_passes.ilp import GIB, GiveUp, IlpProblem, solve_ilp
 
 
 def _callback(give_up: GiveUp, running_time: float, incumbent: float) -> bool:

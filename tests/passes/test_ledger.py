@@ -1,4 +1,4 @@
-"""The plan's ledger (``passes.ledger``): the step's collectives, and the estimate summed
+"""The plan's ledger (``autopar_passes.ledger``): the step's collectives, and the estimate summed
 over them. (That the runtime issues exactly these is ``tests/autopar/runtime/test_ledger``.)"""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 import autopar
-from examples.models import build
-from plans.ledger import CommEntry
-from plans.plan import Plan
+from autopar_examples.models import build
+from autopar_plans.ledger import CommEntry
+from autopar_plans.plan import Plan
 
 
 def _plan(batch: int = 4, mesh_shape: tuple[int, ...] = (2, 2), **options) -> Plan:
@@ -79,8 +79,8 @@ def test_the_solver_prices_parameter_gathers_as_the_runtime_groups_them(tmp_path
     CPU: 1 ms a call), pricing each parameter's gather alone charged a step of calls that
     never run (twice the ledger on gpt-tiny); each parameter pays its share of its group's
     call, so the solver's objective and the ledger's step agree."""
-    from cost_model import load_preset, save_preset
-    from cost_model.hardware import Link
+    from autopar_cost_model import load_preset, save_preset
+    from autopar_cost_model.hardware import Link
 
     base = load_preset("cpu")
     slow_small = Link(
@@ -105,7 +105,7 @@ def test_the_solver_prices_parameter_gathers_as_the_runtime_groups_them(tmp_path
 def _fast_link_mesh(tmp_path, overlap: float) -> autopar.Mesh:
     """4 devices that compute at CPU speed on a fast link (layers compute longer than
     their gathers), compute hiding ``overlap`` of what runs beside it."""
-    from cost_model import load_preset, save_preset
+    from autopar_cost_model import load_preset, save_preset
 
     preset = load_preset("cpu").model_copy(
         update={
@@ -213,7 +213,7 @@ def test_the_solver_prices_small_models_calls_as_the_runtime_runs_them(
 def test_the_solver_prices_a_tensor_parallel_head_and_one_fsdp_layer_as_the_ledger(zero: int):
     """A GPT on 4 cpu devices (``tests/passes/test_zero_levels``' free one). ZeRO-1's plan
     splits the head over the vocabulary: the logits' all-reduce that makes the output
-    whole skips its adjoint (``passes.rewrites.output_boundary``), which the solver had
+    whole skips its adjoint (``autopar_passes.rewrites.output_boundary``), which the solver had
     paid in backward too (1.16 of the ledger's step). Under ZeRO-0 the solver had chosen
     FSDP for one layer alone, behind a layer that gathers nothing (so nothing launches its
     gathers early), and hidden its gathers by raising that layer's group call for free:

@@ -7,11 +7,11 @@ from torch import nn
 
 import autopar
 from autopar.testing.simulate import _set
-from examples.models import build
-from passes.from_plan import PlanLayouts
-from passes.lower_recompute import wrap_recompute
-from passes.lower_spmd import lower_spmd
-from passes.trace import trace
+from autopar_examples.models import build
+from autopar_passes.from_plan import PlanLayouts
+from autopar_passes.lower_recompute import wrap_recompute
+from autopar_passes.lower_spmd import lower_spmd
+from autopar_passes.trace import trace
 
 
 def one_device_program(name: str, limit_fraction: float):

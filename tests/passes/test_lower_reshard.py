@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from autopar.testing.simulate import simulate_reshard
-from plans.placement import Layout, Partial, Replicate, Shard
-from plans.reshard import plan_reshard
+from autopar_plans.placement import Layout, Partial, Replicate, Shard
+from autopar_plans.reshard import plan_reshard
 
 
 def _layouts(mesh_ndim: int, rank: int) -> list[Layout]:

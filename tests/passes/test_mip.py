@@ -7,12 +7,12 @@ import doctest
 
 import pytest
 
-import passes.mip
-from passes.mip import Lin, Mip
+import autopar_passes.mip
+from autopar_passes.mip import Lin, Mip
 
 
 def test_docstring_example():
-    result = doctest.testmod(passes.mip)
+    result = doctest.testmod(autopar_passes.mip)
     assert result.failed == 0 and result.attempted > 0
 
 

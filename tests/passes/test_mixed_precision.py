@@ -1,4 +1,5 @@
-"""What mixed precision changes in what is gathered, held and kept (``passes.mixed_precision``)."""
+"""What mixed precision changes in what is gathered, held and kept
+(``autopar_passes.mixed_precision``)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from passes.mixed_precision import autocast_saved, cast_for_gather, working_cast_nodes
-from passes.trace import trace
+from autopar_passes.mixed_precision import autocast_saved, cast_for_gather, working_cast_nodes
+from autopar_passes.trace import trace
 
 
 class Block(nn.Module):
@@ -62,10 +63,10 @@ def test_a_reshard_moves_a_value_in_the_dtype_autocast_gives_it(traced) -> None:
     prices a reshard of each in that dtype, as the ledger counts and the runtime moves
     them (a Llama's residual sums are fp32: priced in bf16, llama3-8b's all-reduces on 2x2
     were half their bytes)."""
-    from cost_model import MeshCost, load_preset
-    from passes.annotation import META_KEY
-    from passes.costs import CostModel
-    from plans import MeshSpec
+    from autopar_cost_model import MeshCost, load_preset
+    from autopar_passes.annotation import META_KEY
+    from autopar_passes.costs import CostModel
+    from autopar_plans import MeshSpec
 
     found = autocast_saved(traced, "bf16_mixed")
     assert found is not None

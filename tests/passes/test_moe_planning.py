@@ -21,17 +21,17 @@ from torch import nn
 import autopar
 from autopar import force
 from autopar.testing.simulate import first_mismatch
-from cost_model.collectives import MeshCost
-from cost_model.hardware import load_preset
-from examples.models import build
-from examples.models.moe import expert_capacity
-from passes import experts
-from passes.strategies import graph, scatter
-from passes.strategies.matmul import einsum_rule
-from passes.strategies.table import rules
-from passes.strategies.validate import check_rule, describe_failures
-from passes.trace import trace
-from plans import Layout, Shard, UntraceableModelError
+from autopar_cost_model.collectives import MeshCost
+from autopar_cost_model.hardware import load_preset
+from autopar_examples.models import build
+from autopar_examples.models.moe import expert_capacity
+from autopar_passes import experts
+from autopar_passes.strategies import graph, scatter
+from autopar_passes.strategies.matmul import einsum_rule
+from autopar_passes.strategies.table import rules
+from autopar_passes.strategies.validate import check_rule, describe_failures
+from autopar_passes.trace import trace
+from autopar_plans import Layout, Shard, UntraceableModelError
 
 aten = torch.ops.aten
 _GEN = torch.Generator().manual_seed(0)

@@ -8,16 +8,16 @@ from dataclasses import replace
 import pytest
 
 import autopar
-from cost_model.collectives import MeshCost
-from cost_model.hardware import load_preset
-from cost_model.step import bubble_fraction
-from examples.models import build, mlp
-from passes.annotation import TensorInfo
-from passes.costs import CostModel
-from passes.pipeline.layer_costs import LayerCosts, Part
-from passes.pipeline.search import _p2p_times
-from passes.trace import trace
-from plans import UsageError
+from autopar_cost_model.collectives import MeshCost
+from autopar_cost_model.hardware import load_preset
+from autopar_cost_model.step import bubble_fraction
+from autopar_examples.models import build, mlp
+from autopar_passes.annotation import TensorInfo
+from autopar_passes.costs import CostModel
+from autopar_passes.pipeline.layer_costs import LayerCosts, Part
+from autopar_passes.pipeline.search import _p2p_times
+from autopar_passes.trace import trace
+from autopar_plans import UsageError
 
 
 def four_layers(batch: int = 64):
@@ -107,7 +107,7 @@ def test_pipeline_across_nodes_when_sharding_across_them_costs_more():
     ranks = [r for stage in plan.stages[: plan.parallelism.pp] for r in stage.ranks]
     assert sorted(ranks) == list(range(128))
     # the alternatives keep the search's per-layer estimates; the chosen plan's is read off
-    # its ledger (``passes.pipeline.ledger``), which prices each hand-off at its own size
+    # its ledger (``autopar_passes.pipeline.ledger``), which prices each hand-off at its own size
     # rather than the widest: the two agree to 0.01% here, and a near-tie may swap
     assert all(a.step_time_s >= plan.estimate.step_time_s * (1 - 1e-4) for a in plan.alternatives)
     # the label says what is stored: ZeRO-3/FSDP only when most parameter elements are split
@@ -167,7 +167,7 @@ def test_no_stage_count_is_pruned_by_one_grouping_of_a_three_axis_mesh():
     """The lower bound that lets the search skip a stage count is read off the fastest
     plan's ILP; on a mesh of three axes that plan is the best of several groupings of the
     axes, and one grouping's bound says nothing of the others': no bound (0) there."""
-    from passes.pipeline.search import _least_work
+    from autopar_passes.pipeline.search import _least_work
 
     mesh = autopar.Mesh((4, 4, 2), ("node", "gpu", "gpu_in"), device="h100-sxm")
     assert _least_work(None, mesh, 2, 60.0) == 0.0  # type: ignore[arg-type]
@@ -176,8 +176,8 @@ def test_no_stage_count_is_pruned_by_one_grouping_of_a_three_axis_mesh():
 def test_nothing_fitting_is_told_at_the_users_limit_on_the_whole_mesh():
     """When no stage count fits, the error speaks of the limit and mesh the user gave, not
     of a pipeline candidate's bound (p devices' memory on one stage's mesh)."""
-    from examples.models import build
-    from plans import InfeasiblePlanError
+    from autopar_examples.models import build
+    from autopar_plans import InfeasiblePlanError
 
     model, inputs = build("gpt-tiny", device="meta")
     with pytest.raises(InfeasiblePlanError, match=r"1\.0 KiB per device on x=2 x y=2"):
@@ -189,8 +189,8 @@ def test_a_stage_count_is_first_solved_for_its_heaviest_stage_under_1f1b():
     microbatches in flight, so the whole model's states plus 32 microbatches' activations
     must fit 80/3 devices' memory; then a quarter less, for the embedding and the head. A
     schedule the user fixes sets the microbatches in flight: GPipe holds all 64."""
-    from passes.pipeline.search import PipelineRequest, _stage_budgets
-    from passes.solve import SolveRequest
+    from autopar_passes.pipeline.search import PipelineRequest, _stage_budgets
+    from autopar_passes.solve import SolveRequest
 
     searched = PipelineRequest(SolveRequest(autopar.Mesh((32, 8))), 512, 8)
     limit = 80.0
@@ -212,7 +212,7 @@ def test_the_bound_that_prunes_a_stage_count_is_below_every_configuration_it_sta
     (``(1 + (p - 1) / (m v)) W / p``), is at most the step time of every schedule,
     microbatch size and cut the search costs for ``p`` stages: pruning by it never drops
     a configuration that would have won."""
-    from passes.pipeline.search import (
+    from autopar_passes.pipeline.search import (
         PipelineRequest,
         Source,
         _bubble_factor,
@@ -221,7 +221,7 @@ def test_the_bound_that_prunes_a_stage_count_is_below_every_configuration_it_sta
         _Search,
         _stage_mesh,
     )
-    from passes.solve import SolveRequest
+    from autopar_passes.solve import SolveRequest
 
     model, inputs = four_layers(batch=32)
     traced = trace(model, inputs)
@@ -248,8 +248,8 @@ def test_the_bound_that_prunes_a_stage_count_is_below_every_configuration_it_sta
 def test_the_bubble_factor_takes_the_most_microbatches_and_chunks_allowed():
     """``1 + (p - 1) / (m v)``: 256 sequences in microbatches of at least 8 (m = 32); four
     layers on two stages take two chunks each, on four stages one."""
-    from passes.pipeline.search import PipelineRequest, _bubble_factor
-    from passes.solve import SolveRequest
+    from autopar_passes.pipeline.search import PipelineRequest, _bubble_factor
+    from autopar_passes.solve import SolveRequest
 
     request = PipelineRequest(
         SolveRequest(autopar.Mesh((4, 2), device="h100-sxm")), global_batch=256, traced_batch=32
@@ -263,8 +263,8 @@ def test_small_microbatches_start_at_one_sequence_per_node_of_a_stage():
     """A stage of 16 nodes x 8 GPUs splits a traced batch of 1024 down to 128 by scaling;
     below that, from 16 sequences (one per node) doubling, the model is traced again, when
     the example's batch reaches a stage's devices."""
-    from passes.pipeline.search import PipelineRequest, _small_sizes
-    from passes.solve import SolveRequest
+    from autopar_passes.pipeline.search import PipelineRequest, _small_sizes
+    from autopar_passes.solve import SolveRequest
 
     def request(**fields) -> PipelineRequest:
         solve = SolveRequest(autopar.Mesh((128, 8), device="h100-sxm"))
@@ -288,9 +288,9 @@ def test_the_search_traces_again_only_below_a_stages_devices_and_once_per_size()
     """Two stages of 2 x 2 devices: the example's 8 sequences scale to microbatches of 8
     and 4; a microbatch of 2 (one sequence per node of a stage) needs its own trace, and a
     size that cannot be traced is skipped, the plan standing on the example's trace."""
-    from passes.pipeline.search import PipelineRequest, plan_pipeline
-    from passes.solve import SolveRequest
-    from plans import UsageError
+    from autopar_passes.pipeline.search import PipelineRequest, plan_pipeline
+    from autopar_passes.solve import SolveRequest
+    from autopar_plans import UsageError
 
     model, inputs = four_layers(batch=8)
     traced = trace(model, inputs)
@@ -419,10 +419,10 @@ def test_ranks_sharing_cores_plan_the_schedule_as_it_runs_on_them(tmp_path, monk
     """The same CPU preset twice, once measured by four ranks on two cores
     (``shared_cores``, as ``autopar calibrate --ranks 4`` writes it on two cores): each
     stage's figures are the same, and the step differs by what the schedule gains from the
-    cores its waiting ranks leave (``cost_model.schedule``)."""
-    from cost_model.hardware import PRESET_PATH_ENV, SharedCores, save_preset
-    from cost_model.schedule import schedule_time
-    from cost_model.step import pipeline_time
+    cores its waiting ranks leave (``autopar_cost_model.schedule``)."""
+    from autopar_cost_model.hardware import PRESET_PATH_ENV, SharedCores, save_preset
+    from autopar_cost_model.schedule import schedule_time
+    from autopar_cost_model.step import pipeline_time
 
     cpu = load_preset("cpu")
     shared = SharedCores(ranks=4, cores=2)

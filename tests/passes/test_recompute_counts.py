@@ -20,10 +20,10 @@ from functools import partial
 import pytest
 
 import autopar
-import passes.solve as solve_module
+import autopar_passes.solve as solve_module
 from autopar.force import style_constraints
-from examples.models import build
-from passes.ilp import (
+from autopar_examples.models import build
+from autopar_passes.ilp import (
     GIB,
     EdgeTerm,
     IlpProblem,
@@ -33,11 +33,11 @@ from passes.ilp import (
     _times_digit,
     solve_ilp,
 )
-from passes.mip import Lin, Mip
-from passes.recompute import Region, chosen_layers, recompute_budgets
-from passes.solve import SolveRequest, solve_sharding
-from passes.trace import trace
-from plans import InfeasiblePlanError
+from autopar_passes.mip import Lin, Mip
+from autopar_passes.recompute import Region, chosen_layers, recompute_budgets
+from autopar_passes.solve import SolveRequest, solve_sharding
+from autopar_passes.trace import trace
+from autopar_plans import InfeasiblePlanError
 
 
 def region(name: str, kind: str, nodes: tuple[str, ...], layers=range(8)) -> Region:

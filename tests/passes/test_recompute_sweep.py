@@ -16,9 +16,9 @@ import re
 import pytest
 
 import autopar
-from examples.models import build
-from plans import InfeasiblePlanError
-from plans.units import parse_bytes
+from autopar_examples.models import build
+from autopar_plans import InfeasiblePlanError
+from autopar_plans.units import parse_bytes
 
 FRACTIONS = (1.0, 0.8, 0.5, 0.3, 0.1)
 

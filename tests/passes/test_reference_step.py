@@ -1,4 +1,4 @@
-"""Fitting ``in_step`` to the reference step (``passes.reference_step``): the factor at
+"""Fitting ``in_step`` to the reference step (``autopar_passes.reference_step``): the factor at
 which the cost model predicts the step in the seconds it took."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cost_model import load_preset
-from cost_model.hardware import DevicePreset, OpOverhead
-from cost_model.reference_step import reference_step
-from passes.reference_step import fit_in_step, predicted_reference_s
+from autopar_cost_model import load_preset
+from autopar_cost_model.hardware import DevicePreset, OpOverhead
+from autopar_cost_model.reference_step import reference_step
+from autopar_passes.reference_step import fit_in_step, predicted_reference_s
 
 
 def _with_host_time() -> DevicePreset:

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 import autopar
-from cost_model.collectives import MeshCost
-from cost_model.hardware import load_preset
-from examples.models import build, mlp
-from passes.from_plan import PlanLayouts
-from passes.lower_spmd import lower_spmd
-from passes.solve import SolveRequest, solve_sharding
-from passes.trace import trace
-from plans import InfeasiblePlanError, Replicate, Shard
+from autopar_cost_model.collectives import MeshCost
+from autopar_cost_model.hardware import load_preset
+from autopar_examples.models import build, mlp
+from autopar_passes.from_plan import PlanLayouts
+from autopar_passes.lower_spmd import lower_spmd
+from autopar_passes.solve import SolveRequest, solve_sharding
+from autopar_passes.trace import trace
+from autopar_plans import InfeasiblePlanError, Replicate, Shard
 
 
 def big_mlp(batch: int = 8):
@@ -116,7 +116,7 @@ def test_lowered_code_runs_the_collectives_the_plan_counts():
 def test_zero_1_is_the_fastest_data_parallel_plan_where_its_gathers_cost_less_than_the_step():
     """On 4 devices ZeRO-1 steps a quarter of the values, and gathers the stepped masters
     after the step, where DDP sums the whole gradient. The step streams 80 bytes a value
-    through HBM (AdamW, ``cost_model.optimizer``); on NVLink the gather of 3 of a value's 4
+    through HBM (AdamW, ``autopar_cost_model.optimizer``); on NVLink the gather of 3 of a value's 4
     bytes costs less than the three quarters of the step it saves, so the free data-parallel
     plan is ZeRO-1 with memory to spare."""
     model, inputs = big_mlp(batch=64)
@@ -158,8 +158,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 def test_a_solver_time_out_returns_the_best_plan_with_its_gap_and_a_warning(monkeypatch):
     """HiGHS stopping at its time limit with a feasible plan (made deterministic here by
     reporting a found-but-unproven solution) gives that plan, its gap, and a warning."""
-    import passes.solve as solve_module
-    from passes.ilp import solve_ilp
+    import autopar_passes.solve as solve_module
+    from autopar_passes.ilp import solve_ilp
 
     def stopped_early(problem, time_limit, backend="highs", cutoff=None, work_cutoff=None):
         solution = solve_ilp(problem, time_limit, backend, cutoff, work_cutoff)
@@ -177,8 +177,8 @@ def test_a_solver_time_out_returns_the_best_plan_with_its_gap_and_a_warning(monk
 
 
 def test_no_plan_within_the_time_limit_says_to_allow_more_time(monkeypatch):
-    import passes.solve as solve_module
-    from passes.ilp import solve_ilp
+    import autopar_passes.solve as solve_module
+    from autopar_passes.ilp import solve_ilp
 
     def nothing_found(problem, time_limit, backend="highs", cutoff=None, work_cutoff=None):
         solution = solve_ilp(problem, time_limit, backend, cutoff, work_cutoff)

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from passes.pipeline.layer_costs import LayerCosts, Part
-from passes.pipeline.stage_cut import cut_stages, evaluate_cut
+from autopar_passes.pipeline.layer_costs import LayerCosts, Part
+from autopar_passes.pipeline.stage_cut import cut_stages, evaluate_cut
 
 
 def uneven_layers(seed: int, count: int = 9) -> LayerCosts:

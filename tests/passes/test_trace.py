@@ -4,11 +4,11 @@ import pytest
 import torch
 from torch import nn
 
-from cost_model.reference import gpt_flops_per_iteration
-from examples.models import PRESETS, build
-from passes.annotation import annotation
-from passes.trace import trace
-from plans import UntraceableModelError, UsageError
+from autopar_cost_model.reference import gpt_flops_per_iteration
+from autopar_examples.models import PRESETS, build
+from autopar_passes.annotation import annotation
+from autopar_passes.trace import trace
+from autopar_plans import UntraceableModelError, UsageError
 
 TINY = ["gpt-tiny", "llama-tiny", "moe-tiny", "mlp-tiny"]
 FULL = [
@@ -88,7 +88,7 @@ def test_annotations_name_parameters_modules_and_layers():
     assert qkv.module == "layers.1.attn.qkv"
     linears = [a for a in notes.values() if a.op == "aten.linear.default"]
     assert {a.module for a in linears if a.layer == 0} >= {"layers.0.attn.proj", "layers.0.mlp.fc"}
-    # the fused q/k/v projection is exposed as an einsum over [3, C, Cin] (passes.expose)
+    # the fused q/k/v projection is exposed as an einsum over [3, C, Cin] (autopar_passes.expose)
     [qkv] = [a for a in notes.values() if a.op == "aten.einsum.default" and a.layer == 0]
     assert qkv.module == "layers.0.attn.qkv"
     # A tied weight is one parameter with two names.
@@ -105,7 +105,7 @@ def test_saved_bytes_belong_to_activations_and_views_point_at_their_base():
             assert note.saved_bytes == 0
         if note.kind == "view" and note.alias_of is not None:
             assert note.saved_bytes == 0
-    # The fused qkv projection's output (its bias add, after passes.expose) is saved by
+    # The fused qkv projection's output (its bias add, after autopar_passes.expose) is saved by
     # attention through the q/k/v views of it.
     [qkv] = [
         n

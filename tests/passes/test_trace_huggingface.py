@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from passes.trace import trace
+from autopar_passes.trace import trace
 
 
 def _gpt2() -> torch.nn.Module:

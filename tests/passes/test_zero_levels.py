@@ -15,12 +15,12 @@ import pytest
 
 import autopar
 from autopar.force import style_constraints
-from examples.models import build
-from passes.ilp import GIB, IlpProblem, cannot_beat, dominates, solve_ilp
-from passes.problem import ProblemParts
-from passes.solve import Built, SolveRequest, _solve_levels, solve_sharding
-from passes.trace import trace
-from plans import InfeasiblePlanError
+from autopar_examples.models import build
+from autopar_passes.ilp import GIB, IlpProblem, cannot_beat, dominates, solve_ilp
+from autopar_passes.problem import ProblemParts
+from autopar_passes.solve import Built, SolveRequest, _solve_levels, solve_sharding
+from autopar_passes.trace import trace
+from autopar_plans import InfeasiblePlanError
 
 
 def two_decisions(limit_gib: float = 5.0) -> IlpProblem:
@@ -332,7 +332,7 @@ def test_a_work_cutoff_bounds_compute_and_resharding_not_the_exposed_communicati
 def test_a_work_cutoff_nothing_meets_says_nothing_faster():
     """``solve_sharding`` under a work cutoff below every plan's compute raises
     ``NothingFaster`` (the caller keeps the plan it holds), not a memory error."""
-    from passes.solve import NothingFaster
+    from autopar_passes.solve import NothingFaster
 
     model, inputs = build("mlp-tiny")
     traced = trace(model, inputs)

@@ -1,8 +1,8 @@
-"""Bucketing rules the runtime follows and the ledger counts (``plans.buckets``)."""
+"""Bucketing rules the runtime follows and the ledger counts (``autopar_plans.buckets``)."""
 
 from __future__ import annotations
 
-from plans.buckets import MIB, ddp_buckets, open_buckets
+from autopar_plans.buckets import MIB, ddp_buckets, open_buckets
 
 
 def test_ddp_closes_the_first_bucket_at_one_mib_and_the_rest_at_25():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from plans import HintError
-from plans.hints import (
+from autopar_plans import HintError
+from autopar_plans.hints import (
     BAN_KINDS,
     Hints,
     as_hints,

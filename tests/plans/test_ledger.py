@@ -1,10 +1,10 @@
-"""The ledger's terms (``plans.ledger``): bytes a call sends, and tallies by key."""
+"""The ledger's terms (``autopar_plans.ledger``): bytes a call sends, and tallies by key."""
 
 from __future__ import annotations
 
 import pytest
 
-from plans.ledger import CommEntry, sent, tally, tally_entries
+from autopar_plans.ledger import CommEntry, sent, tally, tally_entries
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from plans import MeshSpec, UsageError, parse_mesh_shape
+from autopar_plans import MeshSpec, UsageError, parse_mesh_shape
 
 
 def test_mesh_describes_its_devices():

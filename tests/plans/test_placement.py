@@ -2,7 +2,7 @@
 
 import pytest
 
-from plans import (
+from autopar_plans import (
     Layout,
     Partial,
     Replicate,

@@ -5,7 +5,7 @@ import json
 import pytest
 import yaml
 
-from plans import (
+from autopar_plans import (
     PLAN_VERSION,
     Estimate,
     Layout,

@@ -8,9 +8,9 @@ import itertools
 
 import pytest
 
-import plans.reshard
-from plans.placement import Layout, Partial, Replicate, Shard
-from plans.reshard import plan_reshard
+import autopar_plans.reshard
+from autopar_plans.placement import Layout, Partial, Replicate, Shard
+from autopar_plans.reshard import plan_reshard
 
 R, P = Replicate(), Partial()
 
@@ -57,5 +57,5 @@ def test_nothing_to_do_is_no_steps():
 
 
 def test_the_docstring_example_runs():
-    result = doctest.testmod(plans.reshard)
+    result = doctest.testmod(autopar_plans.reshard)
     assert result.failed == 0 and result.attempted > 0

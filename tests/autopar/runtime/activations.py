@@ -17,7 +17,7 @@ import torch
 
 import autopar
 from autopar.runtime.shards import local_of
-from examples.models import build
+from autopar_examples.models import build
 
 
 def saved_bytes(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[int, Any]:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.runtime.shards import local_of
-from examples.models import build
+from autopar_examples.models import build
 from tests.autopar.runtime.closeness import in_float64
 
 STEPS = 3

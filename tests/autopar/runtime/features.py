@@ -18,8 +18,8 @@ from torch import nn
 
 import autopar
 from autopar.runtime.shards import local_slices
-from examples.models import build
-from plans.errors import UsageError
+from autopar_examples.models import build
+from autopar_plans.errors import UsageError
 
 
 def make(

@@ -13,8 +13,8 @@ import torch
 
 import autopar
 from autopar.runtime.shards import local_of
-from examples.models import build
-from plans.ledger import tally_entries
+from autopar_examples.models import build
+from autopar_plans.ledger import tally_entries
 from tests.autopar.runtime.collective_counts import counting
 from tests.autopar.runtime.features import cross_entropy
 

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import autopar
-from examples.models import build
-from examples.models.moe import MoE, load_balancing_loss
+from autopar_examples.models import build
+from autopar_examples.models.moe import MoE, load_balancing_loss
 from tests.autopar.runtime.closeness import in_float64
 
 STEPS = 2

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar
-from examples.models import build
+from autopar_examples.models import build
 from tests.autopar.runtime.closeness import in_float64
 
 STEPS = 2

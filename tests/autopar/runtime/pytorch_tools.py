@@ -24,7 +24,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import autopar
 from autopar.runtime.shards import torch_placements
-from plans.errors import UsageError
+from autopar_plans.errors import UsageError
 from tests.autopar.runtime.features import cross_entropy, make
 
 MAX_NORM = 0.5  # below the gradients' norm, so clipping scales every step

@@ -9,7 +9,7 @@ model's. FSDP's gathered weights are not kept (``runtime.regather``): if they we
 measurement would exceed the estimate by the layers' weights. The same styles under
 bf16_mixed: autocast keeps 16-bit copies of what matmuls read (and of the fp32 weights
 they read as stored) and a norm's output in fp32, which the plan counts
-(``passes.mixed_precision.autocast_saved``; it was 1.2x to 1.9x under before).
+(``autopar_passes.mixed_precision.autocast_saved``; it was 1.2x to 1.9x under before).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def results() -> dict[str, list[dict]]:
 PLAIN = [f"{m}/{s}/plain" for m in MODELS for s in STYLES]
 WITH_RECOMPUTE = [f"{m}/{s}/recompute" for m, s in RECOMPUTED]
 # under autocast: 16-bit copies of the inputs of matmuls (and of fp32 weights read as
-# stored), a norm's output in fp32 (passes.mixed_precision.autocast_saved)
+# stored), a norm's output in fp32 (autopar_passes.mixed_precision.autocast_saved)
 BF16 = [f"{m}/{s}/bf16" for m in MODELS for s in STYLES]
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from autopar.testing.ranks import run_ranks
-from passes.strategies.graph import graph_choices
-from passes.trace import trace
+from autopar_passes.strategies.graph import graph_choices
+from autopar_passes.trace import trace
 from tests.autopar.runtime.closeness import assert_same_training
 from tests.autopar.runtime.hf import TINY_DECODER, compare_hf, make
 

@@ -3,13 +3,13 @@ plan's ledger, call for call and byte for byte, per (kind, mesh axes, dtype).
 
 One spawn of 4 ranks (a 2 x 2 mesh, dp x tp) trains each case two steps; the second step's
 collectives, as the runtime recorded them (``CompiledModel.observed_collectives``), are
-compared with ``plans.ledger.tally_entries(plan.estimate.comm)``. Four microbatches tell a
+compared with ``autopar_plans.ledger.tally_entries(plan.estimate.comm)``. Four microbatches tell a
 collective paid once per step (gradient sync, ZeRO-1's sum, ZeRO's gathers) from one paid
 per microbatch (reshards, ZeRO-2's sum, FSDP's gathers).
 
 Pipelines (two stages of a 2 x 2 mesh, each stage data or tensor parallel over its two
 devices): each rank's step is its own stage's entries of the ledger
-(``passes.pipeline.ledger``), sends and receives included.
+(``autopar_passes.pipeline.ledger``), sends and receives included.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def test_a_pipeline_syncs_gradients_in_the_last_backward_not_after_the_schedule(
 def test_local_parameter_gradient_and_optimizer_bytes_are_the_plans(
     results: dict[str, list[dict[str, Any]]], case: str
 ) -> None:
-    # what each rank holds, as the plan's memory counts it (cost_model.memory): the
+    # what each rank holds, as the plan's memory counts it (autopar_cost_model.memory): the
     # weights the forward reads (ZeRO's working copies, in bf16 under mixed precision for
     # the weights only matmuls read), the gradients at the end of a backward (ZeRO-1's
     # accumulate whole, ZeRO-2's land in the master's fp32 piece) and the optimizer's

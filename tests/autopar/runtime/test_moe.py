@@ -119,7 +119,7 @@ def test_experts_are_split_and_tokens_travel_by_all_to_all(
 
 
 def test_sparse_block_has_rules_for_every_op(runs: dict) -> None:
-    """index_add and scatter have rules (passes.strategies.scatter): nothing is replicated
+    """index_add and scatter have rules (autopar_passes.strategies.scatter): nothing is replicated
     for want of one."""
     result, _ = _result(runs, "sparse/free")
     assert not [w for w in result["warnings"] if "no sharding rule" in w]

@@ -21,7 +21,7 @@ from autopar.runtime.collectives import all_gather, reduce_scatter
 from autopar.runtime.comm import AxisGroup, CommLog
 from autopar.runtime.param_groups import GatherParams, gather_group, reduce_scatter_group
 from autopar.testing.ranks import run_ranks
-from examples.models import build
+from autopar_examples.models import build
 from tests.autopar.runtime.collective_counts import counting
 
 pytestmark = pytest.mark.multirank

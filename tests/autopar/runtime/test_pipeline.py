@@ -22,8 +22,8 @@ import pytest
 import autopar
 from autopar.runtime.pipeline import schedule_to_run
 from autopar.testing.ranks import run_ranks
-from examples.models import build
-from plans.plan import Parallelism
+from autopar_examples.models import build
+from autopar_plans.plan import Parallelism
 from tests.autopar.runtime.closeness import assert_same_training
 from tests.autopar.runtime.pipelines import BATCH, case_name, compare, cross_entropy
 

@@ -4,12 +4,12 @@ On 2 gloo ranks, one stage each: GPT (tiny, 2 layers) under GPipe and 1F1B over 
 microbatches, and Llama (tiny, 4 layers) under interleaved 1F1B in 2 chunks. A schedule
 keeps several microbatches' activations alive at once (GPipe all of them, 1F1B those not
 yet back from the later stages), which the plan counts per stage
-(``passes.pipeline.stage_cut.microbatches_in_flight`` times one microbatch's). The most
+(``autopar_passes.pipeline.stage_cut.microbatches_in_flight`` times one microbatch's). The most
 bytes autograd holds at once during a ``train_step``, counted on each rank
 (``stage_activations.HeldSaved``), are within 5% of its stage's planned activations, and
 all of it is released by the step's end. A tensor one stage sends is kept by the stage that
 receives it (the next layer's norm saves it), and the plan counts it there
-(``passes.pipeline.layer_costs``); counted on the sender's stage, it was 5.8% over on
+(``autopar_passes.pipeline.layer_costs``); counted on the sender's stage, it was 5.8% over on
 GPT's last stage and as much under on its first.
 """
 

@@ -12,10 +12,10 @@ from torch.distributed.tensor import Shard as TorchShard
 import autopar
 from autopar.runtime.precision import run_precision
 from autopar.runtime.shards import local_slices, torch_placements
-from examples.models import build
-from passes.lower_spmd import local_shard
-from plans.errors import UsageError
-from plans.placement import Layout, Partial, Replicate, Shard
+from autopar_examples.models import build
+from autopar_passes.lower_spmd import local_shard
+from autopar_plans.errors import UsageError
+from autopar_plans.placement import Layout, Partial, Replicate, Shard
 
 LAYOUTS = [
     Layout(Shard(0), Replicate()),

@@ -14,12 +14,12 @@ from torch import nn
 
 import autopar
 from autopar.cli import main as cli
-from examples.models import build
-from passes.from_plan import PlanLayouts
-from passes.lower_spmd import lower_spmd
-from passes.lower_stages import StageProgram, holders, locate, split_stages, stage_mesh
-from passes.trace import trace
-from plans.plan import Plan
+from autopar_examples.models import build
+from autopar_passes.from_plan import PlanLayouts
+from autopar_passes.lower_spmd import lower_spmd
+from autopar_passes.lower_stages import StageProgram, holders, locate, split_stages, stage_mesh
+from autopar_passes.trace import trace
+from autopar_plans.plan import Plan
 
 
 def _split(model: nn.Module, inputs: tuple, plan: Plan, rank: int = 0) -> list[StageProgram]:

@@ -18,7 +18,7 @@ from torch import nn
 
 import autopar
 from autopar.testing.ranks import run_ranks
-from examples.models import build
+from autopar_examples.models import build
 from tests.autopar.runtime.live_bytes import LiveBytes
 
 pytestmark = pytest.mark.multirank

@@ -61,10 +61,10 @@ def test_the_example_training_script_matches_one_device_and_resumes_exactly(
     """examples/train.py as a user runs it: no process group of its own (compile starts it
     from torchrun's environment), a Hugging Face Llama called with labels, clipping, a
     cosine schedule, a DCP checkpoint after step 2 that a second job resumes from."""
-    from examples.train import build_model, train
+    from autopar_examples.train import build_model, train
 
     checkpoint, first, second = tmp_path / "ckpt", tmp_path / "a.json", tmp_path / "b.json"
-    common = ["-m", "examples.train", "--mesh", "2", "--steps", "4"]
+    common = ["-m", "autopar_examples.train", "--mesh", "2", "--steps", "4"]
     _torchrun(*common, "--checkpoint", str(checkpoint), "--save-at", "2", "--out", str(first))
     _torchrun(*common, "--checkpoint", str(checkpoint), "--resume", "2", "--out", str(second))
     trained = json.loads(first.read_text())

@@ -50,7 +50,7 @@ def _zero_step(rank: int, world: int, stage: int) -> dict:
     from collections import Counter
 
     import autopar
-    from examples.models import build
+    from autopar_examples.models import build
     from tests.autopar.runtime.collective_counts import counting
 
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from passes.rewrites.aligned_linear import align_linears, aligned_linear
+from autopar_passes.rewrites.aligned_linear import align_linears, aligned_linear
 
 aten = torch.ops.aten
 

@@ -1,7 +1,8 @@
-"""An exposed projection runs as one matmul with its bias (``passes.rewrites.fused_projection``).
+"""An exposed projection runs as one matmul with its bias
+(``autopar_passes.rewrites.fused_projection``).
 
 The planner sees GPT's q/k/v projection as an einsum over ``[3, C, Cin]`` plus a bias add
-(``passes.expose``); each rank runs it as eager does, so a compiled step on one rank
+(``autopar_passes.expose``); each rank runs it as eager does, so a compiled step on one rank
 dispatches the same matmuls and dtype casts as the eager step under autocast.
 """
 
@@ -18,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
 from autopar.testing.ranks import run_ranks
-from examples.models import build
-from passes.rewrites.fused_projection import fuse_projections, projection
+from autopar_examples.models import build
+from autopar_passes.rewrites.fused_projection import fuse_projections, projection
 
 aten = torch.ops.aten
 

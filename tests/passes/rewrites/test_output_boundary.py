@@ -1,5 +1,5 @@
 """The output boundary's all-reduce skips its adjoint and is not waited for in forward
-(``passes.rewrites.output_boundary``, ``runtime.pending``).
+(``autopar_passes.rewrites.output_boundary``, ``runtime.pending``).
 
 A data-parallel step with the loss inside the module runs, as DDP does, no collective in
 backward but the gradient buckets; the one scalar all-reduce left is the loss's in forward
@@ -20,10 +20,10 @@ from torch import nn
 
 import autopar
 from autopar.testing.ranks import run_ranks
-from examples.models import build
-from passes.local_ops import scale_grad
-from passes.lower_spmd import LoweredGraph
-from passes.rewrites.output_boundary import skip_output_adjoints
+from autopar_examples.models import build
+from autopar_passes.local_ops import scale_grad
+from autopar_passes.lower_spmd import LoweredGraph
+from autopar_passes.rewrites.output_boundary import skip_output_adjoints
 from tests.autopar.runtime.collective_counts import counting
 
 

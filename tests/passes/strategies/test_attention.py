@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 import torch
 
-from passes.strategies import attention
-from passes.strategies.table import rules
-from passes.strategies.types import OpCall, Rule, Strategy
-from passes.strategies.validate import check_rule, describe_failures, op_call
-from plans.placement import Layout, Partial, Replicate, Shard
+from autopar_passes.strategies import attention
+from autopar_passes.strategies.table import rules
+from autopar_passes.strategies.types import OpCall, Rule, Strategy
+from autopar_passes.strategies.validate import check_rule, describe_failures, op_call
+from autopar_plans.placement import Layout, Partial, Replicate, Shard
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default

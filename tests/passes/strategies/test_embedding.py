@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 import torch
 
-from passes import local_ops
-from passes.strategies import embedding
-from passes.strategies.localize import localize
-from passes.strategies.table import local_kinds, rules
-from passes.strategies.types import Local, OpCall, Strategy
-from passes.strategies.validate import check_rule, describe_failures, op_call
-from plans.placement import PARTIAL, Layout, Partial, Replicate, Shard
+from autopar_passes import local_ops
+from autopar_passes.strategies import embedding
+from autopar_passes.strategies.localize import localize
+from autopar_passes.strategies.table import local_kinds, rules
+from autopar_passes.strategies.types import Local, OpCall, Strategy
+from autopar_passes.strategies.validate import check_rule, describe_failures, op_call
+from autopar_plans.placement import PARTIAL, Layout, Partial, Replicate, Shard
 
 aten = torch.ops.aten
 EMBEDDING = aten.embedding.default

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from passes.strategies.matmul import RULES
-from passes.strategies.validate import check_rule, describe_failures
+from autopar_passes.strategies.matmul import RULES
+from autopar_passes.strategies.validate import check_rule, describe_failures
 
 aten = torch.ops.aten
 MESHES = [(2,), (4,), (2, 2), (2, 3)]

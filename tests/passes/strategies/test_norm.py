@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from passes.strategies import norm
-from passes.strategies.table import rules
-from passes.strategies.types import Strategy, is_partial
-from passes.strategies.validate import check_rule, describe_failures
-from plans.placement import Shard
+from autopar_passes.strategies import norm
+from autopar_passes.strategies.table import rules
+from autopar_passes.strategies.types import Strategy, is_partial
+from autopar_passes.strategies.validate import check_rule, describe_failures
+from autopar_plans.placement import Shard
 
 aten = torch.ops.aten
 MESHES = [(2,), (4,), (2, 2), (2, 3)]

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import torch
 
-from passes.strategies import pointwise
-from passes.strategies.localize import localize
-from passes.strategies.table import rules
-from passes.strategies.types import Strategy
-from passes.strategies.validate import check_rule, describe_failures, op_call
-from plans.placement import Layout, Partial, Replicate, Shard
+from autopar_passes.strategies import pointwise
+from autopar_passes.strategies.localize import localize
+from autopar_passes.strategies.table import rules
+from autopar_passes.strategies.types import Strategy
+from autopar_passes.strategies.validate import check_rule, describe_failures, op_call
+from autopar_plans.placement import Layout, Partial, Replicate, Shard
 
 aten = torch.ops.aten
 MESHES = [(2,), (4,), (2, 2), (2, 3)]

@@ -6,10 +6,10 @@ from typing import Any
 import pytest
 import torch
 
-from passes.strategies import scatter
-from passes.strategies.table import rules
-from passes.strategies.types import Strategy
-from passes.strategies.validate import check_rule, describe_failures
+from autopar_passes.strategies import scatter
+from autopar_passes.strategies.table import rules
+from autopar_passes.strategies.types import Strategy
+from autopar_passes.strategies.validate import check_rule, describe_failures
 
 aten = torch.ops.aten
 MESHES = [(2,), (4,), (2, 2)]

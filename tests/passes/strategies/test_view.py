@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 import torch
 
-from passes.strategies import view
-from passes.strategies.table import local_kinds, rules
-from passes.strategies.types import Strategy
-from passes.strategies.validate import check_rule, describe_failures
-from plans.placement import Partial, Shard
+from autopar_passes.strategies import view
+from autopar_passes.strategies.table import local_kinds, rules
+from autopar_passes.strategies.types import Strategy
+from autopar_passes.strategies.validate import check_rule, describe_failures
+from autopar_plans.placement import Partial, Shard
 
 aten = torch.ops.aten
 MESHES = [(2,), (4,), (2, 2), (2, 3)]
