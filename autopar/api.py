@@ -24,17 +24,20 @@ from autopar.force import style_constraints
 from autopar.hints_api import apply_hints
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
+from autopar.replan import keep_pinned
 from autopar.runtime.precision import check_precision, run_precision
 from autopar_passes.pipeline.search import PipelineRequest
-from autopar_passes.solve import SolveRequest, no_constraints
+from autopar_passes.solve import Constraint, SolveRequest, no_constraints
 from autopar_passes.trace import TracedModel, trace
 from autopar_plans.errors import AutoparError, PlanWarning, UsageError
 from autopar_plans.io import load_plan, plan_from_dict
 from autopar_plans.mesh import MeshSpec
+from autopar_plans.placement import Layout
 from autopar_plans.plan import Plan
 from autopar_plans.units import parse_bytes
 
 if TYPE_CHECKING:  # the runtime (DTensor, DCP) loads when a model is compiled, not on import
+    from autopar.replan import CallPlanner
     from autopar.runtime.compiled import CompiledModel
 
 
@@ -74,7 +77,10 @@ def _plan(
     example_inputs: Sequence[Any],
     example_kwargs: dict[str, Any] | None,
     options: PlanOptions,
+    pinned: dict[str, Layout] | None = None,
 ) -> tuple[Plan, TracedModel]:
+    """The plan and the trace it was made on; ``pinned``: parameter placeholders whose
+    layout is fixed (``autopar.replan``)."""
     from autopar_cost_model.hardware import load_preset
 
     if not isinstance(mesh, MeshSpec):
@@ -100,7 +106,7 @@ def _plan(
         options.optimizer,
         options.precision,
         options.time_limit,
-        partial(style_constraints, options.force) if options.force else no_constraints,
+        partial(_constraints, options.force, pinned),
         zero_levels=(options.zero,) if options.zero is not None else (0, 1, 2),
     )
     stages = options.stages if options.stages is not None or not options.force else 1
@@ -121,6 +127,14 @@ def _plan(
         ),
     )
     return hinted.plan(traced, pipeline), traced
+
+
+def _constraints(
+    force: str | None, pinned: dict[str, Layout] | None, mesh: MeshSpec
+) -> list[Constraint]:
+    """A forced style's constraints, and the pinned parameters'."""
+    found = style_constraints(force, mesh) if force else no_constraints(mesh)
+    return [*found, keep_pinned(pinned)] if pinned else found
 
 
 def _batch_size(traced: TracedModel) -> int:
@@ -315,7 +329,7 @@ def _build(
                 "pass loss_fn= to compile"
             )
     else:
-        chosen, traced = _plan_on_rank0(model, mesh, args, example_kwargs, options)
+        chosen, traced = plan_on_rank0(model, mesh, args, example_kwargs, options)
         warn_about(chosen, stacklevel=4)
     schedule_to_run(chosen.parallelism)  # refuse what torch cannot run, before it starts
     if traced is None or (batch and chosen.microbatch_size != batch):
@@ -337,6 +351,7 @@ def _build(
         inputs=inputs,
         outputs=outputs,
         loss_fn=loss_fn,
+        call_planner=_call_planner(model, mesh, traced, chosen, options),
     )
     # torch.export leaves reference cycles (its tracer's module wrapper) that hold the
     # traced module, hence its weights; Python's cycle collector runs on object counts, not
@@ -345,6 +360,23 @@ def _build(
     del traced
     gc.collect()
     return compiled
+
+
+def _call_planner(
+    model: nn.Module, mesh: Mesh, traced: TracedModel, chosen: Plan, options: dict[str, Any]
+) -> CallPlanner | None:
+    """What plans the calls the first plan does not take (``autopar.replan``); None for a
+    pipeline plan, whose schedule runs the batch it was planned for."""
+    from autopar.replan import KEPT_OPTIONS, CallPlanner, pinned_layouts, skeleton, zero_stage
+
+    if chosen.parallelism.pp > 1:
+        return None
+    copied = skeleton(model)
+    if copied is None:
+        return None
+    kept = {key: options[key] for key in KEPT_OPTIONS if options.get(key) is not None}
+    kept.update(precision=chosen.precision, zero=zero_stage(chosen))
+    return CallPlanner(copied, mesh, kept, pinned_layouts(traced, chosen))
 
 
 def example_batch(args: tuple[Any, ...]) -> int:
@@ -374,12 +406,13 @@ def microbatch_inputs(inputs: Inputs, batch: int, size: int) -> Inputs:
     return tuple(first(a) for a in inputs)
 
 
-def _plan_on_rank0(
+def plan_on_rank0(
     model: nn.Module,
     mesh: Mesh,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     options: dict[str, Any],
+    pinned: dict[str, Layout] | None = None,
 ) -> tuple[Plan, TracedModel | None]:
     """Rank 0 plans; every rank receives the same plan (a solver's time limit could make
     ranks disagree). Rank 0's trace comes back with it; the other ranks trace for their
@@ -388,7 +421,7 @@ def _plan_on_rank0(
     traced: TracedModel | None = None
     if dist.get_rank() == 0:
         try:
-            made, traced = _plan(model, mesh, args, kwargs, PlanOptions.of(options))
+            made, traced = _plan(model, mesh, args, kwargs, PlanOptions.of(options), pinned)
             payload[0] = made.model_dump(mode="json")
         except AutoparError as error:  # every rank raises it, none waits for a plan
             payload[0] = error

@@ -6,12 +6,14 @@
 
 A Hugging Face Llama built from a config (its defaults, tiny sizes; no download), called
 with ``input_ids`` and ``labels`` for its own loss, AdamW under a cosine schedule, gradient
-clipping with ``torch.nn.utils.clip_grad_norm_``, and a sharded checkpoint through
+clipping with ``torch.nn.utils.clip_grad_norm_``, a sharded checkpoint through
 ``torch.distributed.checkpoint``'s standard state-dict API, which a later run resumes from
-(under any mesh). Nothing in it is autopar's but ``autopar.compile``: the process group
-comes from torchrun's environment, the plan from the first call. With ``--out`` rank 0
-writes each step's loss and gradient norm as JSON (``tests/autopar/runtime/test_torchrun.py``
-runs it so, against the same loop on one process).
+(under any mesh), and at the end ``model.eval()`` and ``generate`` for a few tokens.
+Nothing in it is autopar's but ``autopar.compile``: the process group comes from
+torchrun's environment, the plan from the first call. With ``--out`` rank 0 writes each
+step's loss and gradient norm, and the generated tokens, as JSON
+(``tests/autopar/runtime/test_torchrun.py`` runs it so, against the same loop on one
+process).
 """
 
 from __future__ import annotations
@@ -96,6 +98,17 @@ def train(
     return history
 
 
+def continue_prompt(model: nn.Module, new_tokens: int = 4) -> list[list[int]]:
+    """After training, in eval mode: the tokens greedy decoding puts after a prompt (the
+    model's ``generate``; the compiled model's runs on a program of its own)."""
+    model.eval()
+    prompt = batch_at(-1, batch=2, length=6)
+    with torch.no_grad():
+        generated = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+    model.train()
+    return generated[:, prompt.shape[1] :].tolist()
+
+
 def _load(model: nn.Module, optimizer: Any, schedule: Any, checkpoint: str | None) -> None:
     """The standard resume: the fresh model's and optimizer's state dicts, filled in place
     by ``dcp.load``, set back."""
@@ -135,12 +148,15 @@ def main(argv: list[str] | None = None) -> None:
     history = train(
         model, args.steps, start=args.resume, checkpoint=args.checkpoint, save_at=args.save_at
     )
+    generated = continue_prompt(model)
     if dist.get_rank() == 0:
         for step, (loss, norm) in enumerate(history, start=args.resume):
             print(f"step {step}: loss {loss:.4f}, gradient norm {norm:.4f}")
+        print(f"after training, a prompt continues with {generated}")
         if args.out:
             with open(args.out, "w") as file:
-                json.dump({"history": history, "world": dist.get_world_size()}, file)
+                record = {"history": history, "generated": generated}
+                json.dump({**record, "world": dist.get_world_size()}, file)
     assert all(math.isfinite(loss) for loss, _ in history)
     del model  # before the group goes: see tests/autopar/runtime/torchrun_train.py
     gc.collect()

@@ -47,7 +47,8 @@ def wrap_recompute(program: torch.fx.GraphModule, regions: Iterable[RecomputeReg
             nodes = _region_nodes(program.graph, set(names))
             if not nodes:
                 continue
-            _outline(program, nodes, f"recompute_{_slug(region.kind)}_{layer}_{wrapped}")
+            base = f"recompute_{_slug(region.kind)}_{layer}_{wrapped}"
+            _outline(program, nodes, _free_name(program, base))
             wrapped += 1
     if wrapped:
         program.graph.lint()
@@ -63,6 +64,15 @@ def _split_by_layer(region: RecomputeRegion) -> dict[int, list[str]]:
     return {
         layer: list(region.nodes[i * per : (i + 1) * per]) for i, layer in enumerate(region.layers)
     }
+
+
+def _free_name(program: torch.fx.GraphModule, base: str) -> str:
+    """``base``, or ``base_2``, ...: unique in the module tree, which the programs of one
+    rank share (pipeline stages, and the programs of other call shapes)."""
+    name, suffix = base, 2
+    while hasattr(program, name):
+        name, suffix = f"{base}_{suffix}", suffix + 1
+    return name
 
 
 def _slug(text: str) -> str:

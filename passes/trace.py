@@ -99,6 +99,8 @@ class TracedModel:
     # (torch.export), so a call must pass the same; ``added`` those autopar set itself
     constant_kwargs: dict[str, Any] = field(default_factory=dict)
     added_kwargs: dict[str, Any] = field(default_factory=dict)
+    # the model's mode when traced: dropout and the like are traced as that mode runs them
+    training: bool = True
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
@@ -129,6 +131,7 @@ class TracedModel:
         )
 
 
+@torch.enable_grad()  # a program for training, also when made for a call under no_grad
 def trace(
     model: nn.Module,
     example_inputs: Sequence[Any],
@@ -196,6 +199,7 @@ def trace(
         reshaped=reshaped,
         constant_kwargs={k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)},
         added_kwargs=added,
+        training=model.training,
     )
 
 
@@ -240,6 +244,12 @@ def _without_cache(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     when the caller did not say (else nothing): the cache serves generation, and its
     ``DynamicCache`` output is no tensor the program can return. Said with a warning."""
     config = getattr(model, "config", None)
+    if kwargs.get("use_cache") is True:
+        raise UsageError(
+            "use_cache=True: the KV cache a model returns for generation is no tensor a "
+            "compiled program can return; call it with use_cache=False (or leave it out), "
+            "and generate with compiled.generate"
+        )
     if "use_cache" in kwargs or not getattr(config, "use_cache", False):
         return {}
     if "use_cache" not in inspect.signature(model.forward).parameters:

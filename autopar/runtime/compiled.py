@@ -60,8 +60,10 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils import _pytree as pytree
 
 from autopar.runtime import checkpoint
+from autopar.runtime.calls import CallPlanner, CallProgram
 from autopar.runtime.collectives import MODULES
 from autopar.runtime.comm import AxisGroup, Call, CommLog
+from autopar.runtime.generation import greedy, logits_of
 from autopar.runtime.grad_sync import GradientSync
 from autopar.runtime.groups import axis_groups
 from autopar.runtime.local_shards import HOLDER as LOCAL_SHARDS
@@ -75,6 +77,7 @@ from autopar.runtime.pipeline import (
     microbatch_loss,
 )
 from autopar.runtime.precision import run_precision
+from autopar.runtime.regather import ParamGathers
 from autopar.runtime.shards import gather_full, local_of, local_slices, to_dtensor
 from autopar.runtime.zero import ZeroParam, ZeroShards, master_piece
 from autopar_passes.from_plan import PlanLayouts
@@ -89,7 +92,12 @@ from autopar_passes.lower_stages import (
 )
 from autopar_passes.lower_stages import stage_mesh as plan_stage_mesh
 from autopar_passes.mixed_precision import cast_for_gather
-from autopar_passes.rewrites import RankProgram, local_view_path, rewrite_rank, working_copy_path
+from autopar_passes.rewrites import (
+    RankProgram,
+    local_view_path,
+    rewrite_rank,
+    working_copy_path,
+)
 from autopar_passes.trace import TracedModel
 from autopar_plans.errors import UsageError
 from autopar_plans.ledger import CommCount, CommKey
@@ -179,6 +187,17 @@ def _set_attr(root: nn.Module, dotted: str, value: Any, kind: str) -> None:
         module.register_buffer(leaf, value, persistent=kind == "buffer")
 
 
+def _has_path(root: nn.Module, dotted: str) -> bool:
+    """Whether ``root`` holds a parameter, buffer or module at ``dotted``."""
+    *path, leaf = dotted.split(".")
+    module: nn.Module | None = root
+    for part in path:
+        module = module._modules.get(part) if module is not None else None
+    return module is not None and (
+        leaf in module._parameters or leaf in module._buffers or leaf in module._modules
+    )
+
+
 def _share_tree(module: nn.Module, tree: nn.Module) -> None:
     """Make ``module``'s registries ``tree``'s own (the same dicts, not copies)."""
     for registry in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
@@ -205,6 +224,7 @@ class CompiledModel(nn.Module):
         inputs: InputMode = "global",
         outputs: OutputMode = "whole",
         loss_fn: Loss | None = None,
+        call_planner: CallPlanner | None = None,
     ) -> None:
         super().__init__()
         rank = dist.get_rank()
@@ -268,10 +288,6 @@ class CompiledModel(nn.Module):
             self._part_of = {}
         self.lowered: LoweredGraph = lowered
         self._out_spec = traced.exported.call_spec.out_spec
-        # the keyword inputs as traced, in the order the program takes them
-        self._keywords = _traced_keywords(traced)
-        self._constant_kwargs = dict(traced.constant_kwargs)
-        self._added_kwargs = dict(traced.added_kwargs)  # use_cache=False, filled in
         # name -> (the user's shape, the planned shape), for parameters planned reshaped
         self._reshaped = dict(traced.reshaped)
         self._inputs = [
@@ -306,38 +322,26 @@ class CompiledModel(nn.Module):
             [p.working for p in zero],
         )
         tree.add_module(LOCAL_SHARDS, local_shards)
-        name = type(model).__name__
-        modules = []
-        for index, graph in enumerate(graphs):
-            label = f"Stage{self._stage_programs[index].index}" if self.pipelined else ""
-            module = torch.fx.GraphModule(tree, graph, class_name=f"{name}Rank{rank}{label}")
-            _share_tree(module, tree)
-            module.register_forward_pre_hook(local_shards.refresh)
-            modules.append(module)
-        # recompute regions as checkpoints; FSDP's gathers grouped per layer, the gathered
-        # weights regathered in backward
-        read_at = {
-            target: local_view_path(target)
-            for target, param_name in self.lowered.params.items()
-            if param_name not in zero_names
-        }
-        install_memory_savers(
-            plan,
-            modules,
-            local_shards.is_local,
-            {
-                read_at[t]: layer
-                for t, layer in _param_layers(traced, self.lowered).items()
-                if t in read_at
-            },
-            frozenset(
-                read_at[t]
-                for t, n in self.lowered.params.items()
-                if t in read_at and n in self._cast
-            ),
+        object.__setattr__(self, "_tree", tree)  # not a child: the registries are ours
+        object.__setattr__(self, "_local_shards", local_shards)
+        self._zero_names = frozenset(zero_names)
+        self._gathers: ParamGathers | None = None
+        labels = [
+            f"Stage{self._stage_programs[i].index}" if self.pipelined else ""
+            for i in range(len(graphs))
+        ]
+        modules = self._graph_modules(
+            graphs, labels, traced, self.lowered, plan, type(model).__name__
         )
         object.__setattr__(self, "program", modules[0])  # not a child: it shares our tree
         object.__setattr__(self, "stage_modules", modules)
+        self._model_name = type(model).__name__
+        # a Hugging Face model's token ids for ``generate`` (end of sequence, padding)
+        self.generation_config = getattr(model, "generation_config", None)
+        # the programs ``forward`` runs: the traced call's, then those of calls of other
+        # shapes or modes met since, each planned with the parameters where they are
+        self._calls: list[CallProgram] = [self._call(traced, plan, modules[0], self.lowered)]
+        self._call_planner = call_planner
         self._state_keys = _state_keys(model, plan, whole)
         # a parameter two of this rank's pipeline stages read (part -1) is summed after the
         # schedule (``_shared_sync``); the others in their stage's last backward
@@ -539,62 +543,225 @@ class CompiledModel(nn.Module):
                 "holds only its stages, so there is no whole forward to call; train with "
                 "compiled.train_step(inputs, targets)"
             )
-        leaves, _ = pytree.tree_flatten((args, self._ordered(kwargs)))
-        if len(leaves) != len(self._inputs):
+        call = self._call_for(args, kwargs)
+        leaves, _ = pytree.tree_flatten((args, self._ordered(call, kwargs)))
+        if len(leaves) != len(call.inputs):
             raise UsageError(
-                f"the compiled model takes {len(self._inputs)} inputs (as traced), "
-                f"got {len(leaves)}"
+                f"the compiled model takes {len(call.inputs)} inputs (as traced), got {len(leaves)}"
             )
-        prepared = [self._prepare(i, leaf) for i, leaf in enumerate(leaves)]
+        prepared = [self._prepare(call, i, leaf) for i, leaf in enumerate(leaves)]
         self._zero.gather()  # ZeRO: working copies from the masters the optimizer stepped
         with self.precision.autocast(self.device.type):
-            flat = self.program(*prepared)
+            flat = call.module(*prepared)
         flat_list = list(flat) if isinstance(flat, list | tuple) else [flat]
-        if self._out_spec is None:
+        if call.out_spec is None:
             return flat
-        return pytree.tree_unflatten(flat_list, self._out_spec)
+        return pytree.tree_unflatten(flat_list, call.out_spec)
 
-    def _ordered(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+    # ---- calls of other shapes (``runtime.calls``) --------------------------------------
+    @property
+    def call_plans(self) -> list[Plan]:
+        """The plan of each call this model has run a program for, the traced call's
+        first: another batch or sequence length, eval mode, other keywords
+        (``runtime.calls``). Each has its own estimate and communication ledger."""
+        return [call.plan for call in self._calls]
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 20,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
+        **options: Any,
+    ) -> torch.Tensor:
+        """Greedy decoding, as Hugging Face's ``generate(input_ids, max_new_tokens=...)``
+        (``runtime.generation``): the prompt and the tokens after it, ``[batch, length]``,
+        the same on every rank. The token ids default to the model's
+        ``generation_config``. Sampling, beams and the like are not offered: generate with
+        the model on one device for those."""
+        mask = options.pop("attention_mask", None)
+        if mask is not None and not bool(torch.all(mask == 1)):
+            raise UsageError(
+                "generate with padding in attention_mask: a compiled model takes prompts "
+                "of one length (no padding); generate each length apart"
+            )
+        unsupported = {
+            k: v
+            for k, v in options.items()
+            if isinstance(v, torch.Tensor) or v not in (None, False, 1)
+        }
+        if unsupported:
+            raise UsageError(
+                f"generate {', '.join(f'{k}={v!r}' for k, v in unsupported.items())}: a "
+                "compiled model decodes greedily (max_new_tokens, eos_token_id, pad_token_id)"
+            )
+        config = self.generation_config
+        if eos_token_id is None and config is not None:
+            eos_token_id = config.eos_token_id
+        if pad_token_id is None and config is not None:
+            pad_token_id = config.pad_token_id
+        keyword = "input_ids" in self._calls[0].keywords
+
+        def logits(tokens: torch.Tensor) -> torch.Tensor:
+            return logits_of(self(input_ids=tokens) if keyword else self(tokens))
+
+        return greedy(logits, input_ids, max_new_tokens, eos_token_id, pad_token_id)
+
+    def _call_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallProgram:
+        """The program for this call: one made before, or a new one planned for it. Where
+        none can be made (a loaded plan's model gone, ``inputs="local"``), the traced one,
+        whose checks then say what differs."""
+        for call in self._calls:
+            shapes = [self._expected_shape(call, i) for i in range(len(call.inputs))]
+            if call.accepts(args, kwargs, self.training, shapes):
+                return call
+        if (
+            self._call_planner is None
+            or self.inputs_mode != "global"
+            or self.outputs_mode != "whole"
+        ):
+            return self._calls[0]
+        plan, traced = self._call_planner(args, kwargs, self.training)
+        call = self._add_call(traced, plan)
+        self._calls.append(call)
+        return call
+
+    def _add_call(self, traced: TracedModel, plan: Plan) -> CallProgram:
+        """Lower ``plan`` of another call onto this rank's parameter tree."""
+        layouts = PlanLayouts(traced, plan)
+        whole = lower_spmd(
+            traced, layouts.strategy, layouts.layout, self.mesh, self.coords, self.device
+        )
+        rank_program = RankProgram(traced, plan, whole, self.mesh.shape, self.device.type)
+        rewrite_rank(rank_program)
+        self._share_state(traced, whole)
+        label = f"Call{len(self._calls)}"
+        (module,) = self._graph_modules(
+            rank_program.graphs, [label], traced, whole, plan, self._model_name
+        )
+        return self._call(traced, plan, module, whole, layouts)
+
+    def _share_state(self, traced: TracedModel, whole: LoweredGraph) -> None:
+        """What another call's program reads: the parameters, buffers and constants the
+        traced program's tree holds (the same tensors), and the collectives over the mesh's
+        axes, made for it where the tree has none of that kind and axis yet."""
+        tree = self._tree
+        missing = [t for t in (*whole.params, *whole.buffers) if not _has_path(tree, t)]
+        for target, name in whole.constants.items():
+            value = traced.exported.constants[name]
+            if not _has_path(tree, target):
+                missing.append(target)
+            elif tuple(tree.get_buffer(target).shape) != tuple(value.shape):
+                missing.append(f"{target} (shape {tuple(value.shape)})")
+        if missing:
+            raise UsageError(
+                f"a call of this shape reads {', '.join(missing)}, which the traced call did "
+                "not: compile the model again for calls of this shape"
+            )
+        for module_name, (kind, axis) in whole.collectives.items():
+            if not _has_path(tree, module_name):
+                group = self._mesh_groups[axis]
+                module = MODULES[kind](group, self.mesh.axis_names[axis])
+                _set_attr(tree, module_name, module, "module")
+
+    def _graph_modules(
+        self,
+        graphs: list[torch.fx.Graph],
+        labels: list[str],
+        traced: TracedModel,
+        lowered: LoweredGraph,
+        plan: Plan,
+        name: str,
+    ) -> list[torch.fx.GraphModule]:
+        """A ``GraphModule`` per graph over the shared tree, reading the parameters' local
+        shards; recompute regions as checkpoints; FSDP's gathers grouped per layer, the
+        gathered weights regathered in backward."""
+        local_shards = self._local_shards
+        rank = dist.get_rank()
+        modules = []
+        for graph, label in zip(graphs, labels, strict=True):
+            class_name = f"{name}Rank{rank}{label}"
+            module = torch.fx.GraphModule(self._tree, graph, class_name=class_name)
+            _share_tree(module, self._tree)
+            module.register_forward_pre_hook(local_shards.refresh)
+            modules.append(module)
+        read_at = {
+            target: local_view_path(target)
+            for target, param_name in lowered.params.items()
+            if param_name not in self._zero_names
+        }
+        cast = cast_for_gather(traced, plan.precision)
+        layers = _param_layers(traced, lowered)
+        self._gathers = install_memory_savers(
+            plan,
+            modules,
+            local_shards.is_local,
+            {read_at[t]: layer for t, layer in layers.items() if t in read_at},
+            frozenset(read_at[t] for t, n in lowered.params.items() if t in read_at and n in cast),
+            gathers=self._gathers,
+        )
+        return modules
+
+    def _call(
+        self,
+        traced: TracedModel,
+        plan: Plan,
+        module: torch.fx.GraphModule,
+        lowered: LoweredGraph,
+        layouts: PlanLayouts | None = None,
+    ) -> CallProgram:
+        if layouts is None:
+            inputs = self._inputs
+        else:
+            inputs = [
+                (name, _shape_of(traced, name), layouts.inputs[name]) for name in traced.user_inputs
+            ]
+        return CallProgram(
+            plan=plan,
+            module=module,
+            inputs=inputs,
+            out_spec=traced.exported.call_spec.out_spec,
+            keywords=_traced_keywords(traced),
+            constant_kwargs=dict(traced.constant_kwargs),
+            added_kwargs=dict(traced.added_kwargs),
+            training=traced.training,
+            outputs=tuple(lowered.outputs),
+        )
+
+    def _ordered(self, call: CallProgram, kwargs: dict[str, Any]) -> dict[str, Any]:
         """``kwargs`` in the order the model was traced with (a call may name them in any
         order); the same keywords, or a message naming the difference."""
-        kwargs = {**self._added_kwargs, **kwargs}
-        if set(kwargs) != set(self._keywords):
-            missing = sorted(set(self._keywords) - set(kwargs))
-            extra = sorted(set(kwargs) - set(self._keywords))
+        kwargs = call.with_added(kwargs)
+        if set(kwargs) != set(call.keywords):
+            missing = sorted(set(call.keywords) - set(kwargs))
+            extra = sorted(set(kwargs) - set(call.keywords))
             raise UsageError(
-                f"the compiled model was traced with the keyword inputs {list(self._keywords)}"
+                f"the compiled model was traced with the keyword inputs {list(call.keywords)}"
                 f" (missing here: {missing}, not traced: {extra}); call it with the same "
                 "keywords, or compile again for these"
             )
-        for key, traced in self._constant_kwargs.items():
+        for key, traced in call.constant_kwargs.items():
             if kwargs[key] != traced:
                 raise UsageError(
                     f"{key}={kwargs[key]!r}: the compiled model was traced with "
                     f"{key}={traced!r}, which its program is specialised to; pass that, or "
                     "compile again"
                 )
-        return {key: kwargs[key] for key in self._keywords}
+        return {key: kwargs[key] for key in call.keywords}
 
-    def _prepare(self, index: int, value: Any) -> Any:
+    def _prepare(self, call: CallProgram, index: int, value: Any) -> Any:
         """Check an input's shape against the plan; cast it for pure-bf16 runs."""
         if not isinstance(value, torch.Tensor):
             return value
-        name, shape, _ = self._inputs[index]
-        want = self._expected_shape(index)
+        name, shape, _ = call.inputs[index]
+        want = self._expected_shape(call, index)
         if want is not None and tuple(value.shape) != want:
             if self.inputs_mode == "local":
                 raise UsageError(
                     f"input {index} ({name}) has shape {tuple(value.shape)}; with "
                     f"inputs='local' this rank passes its slice of the global {shape}, "
-                    f"of shape {want}: x[compiled.input_slices()[{index}]]"
-                )
-            if self.plan.parallelism.microbatches > 1 and shape:
-                raise UsageError(
-                    f"input {index} ({name}) has shape {tuple(value.shape)}; the plan runs "
-                    f"the batch of {self.plan.global_batch} as "
-                    f"{self.plan.parallelism.microbatches} microbatches of {shape[0]}: "
-                    f"forward takes one microbatch, of shape {shape}, and "
-                    "compiled.train_step(inputs, targets) the whole batch"
+                    f"of shape {want}: x[compiled.input_slices()[{index}]] (a call of "
+                    "another global shape needs inputs='global')"
                 )
             raise UsageError(
                 f"input {index} ({name}) has shape {tuple(value.shape)} but the plan was "
@@ -606,8 +773,8 @@ class CompiledModel(nn.Module):
             return value.to(cast)
         return value
 
-    def _expected_shape(self, index: int) -> tuple[int, ...] | None:
-        _, shape, layout = self._inputs[index]
+    def _expected_shape(self, call: CallProgram, index: int) -> tuple[int, ...] | None:
+        _, shape, layout = call.inputs[index]
         if shape is None or self.inputs_mode == "global":
             return shape
         return tuple(
@@ -622,9 +789,15 @@ class CompiledModel(nn.Module):
         ``targets`` the targets of that batch. The batch runs as the plan's microbatches:
         through the pipeline schedule for a pipeline plan, else one after the other with
         the gradients accumulated. Gradients are left ready for ``optimizer.step()``: those
-        of the mean, over the global batch, of the ``loss_fn`` given to ``compile`` (the
-        mean of its per-microbatch values: for a token-mean loss with ignored targets this
-        weighs microbatches equally). Returns that mean loss (detached) on every rank.
+        of the mean, over the batch, of the ``loss_fn`` given to ``compile`` (the mean of
+        its per-microbatch values weighted by their sizes: for a token-mean loss with
+        ignored targets this weighs microbatches by their sequences). Returns that mean
+        loss (detached) on every rank.
+
+        Without a pipeline a batch may be of another size (the last, partial batch of an
+        epoch) or sequence length: it runs as microbatches of the plan's size and one of
+        what is left, each of another shape on a program planned for it
+        (``runtime.calls``).
         """
         if self._loss_fn is None:
             raise UsageError(
@@ -643,18 +816,25 @@ class CompiledModel(nn.Module):
                 f"the compiled model takes {len(self._inputs)} inputs (as traced), "
                 f"got {len(leaves)}"
             )
-        total = self.plan.global_batch
-        batch_major = [self._check_batch_input(i, leaf) for i, leaf in enumerate(leaves)]
-        if (
-            not isinstance(targets, torch.Tensor)
-            or targets.dim() == 0
-            or (targets.shape[0] != total)
-        ):
+        if not isinstance(targets, torch.Tensor) or targets.dim() == 0:
             got = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets)
             raise UsageError(
                 f"targets of shape {got}: train_step takes the targets of the whole batch "
-                f"of {total} (dim 0)"
+                f"of {self.plan.global_batch} (dim 0)"
             )
+        total = int(targets.shape[0])
+        if total != self.plan.global_batch and self._call_planner is None:
+            raise UsageError(
+                f"targets of shape {tuple(targets.shape)}: train_step takes the targets of "
+                f"the whole batch of {self.plan.global_batch} (dim 0)"
+                + (
+                    ", which a pipeline plan's schedule runs as planned; pass batches of "
+                    "that size (a data loader's drop_last)"
+                    if self.pipelined
+                    else ""
+                )
+            )
+        batch_major = [self._check_batch_input(i, leaf, total) for i, leaf in enumerate(leaves)]
         self._comm.clear()
         if self.pipelined:
             return self._pipeline_step(leaves, batch_major, targets)
@@ -678,15 +858,24 @@ class CompiledModel(nn.Module):
         """Start counting a new step (``observed_collectives``)."""
         self._comm.clear()
 
-    def _check_batch_input(self, index: int, value: Any) -> bool:
-        """Whether input ``index`` is split into microbatches (dim 0 the global batch)."""
+    def _check_batch_input(self, index: int, value: Any, total: int) -> bool:
+        """Whether input ``index`` is split into microbatches: its dim 0 is the batch of
+        ``total`` where the traced input's is the microbatch."""
         if not isinstance(value, torch.Tensor):
             return False
         name, shape, _ = self._inputs[index]
-        total, size = self.plan.global_batch, self.plan.microbatch_size
-        if shape and shape[0] == size and tuple(value.shape) == (total, *shape[1:]):
+        size = self.plan.microbatch_size
+        batched = bool(shape) and shape[0] == size  # type: ignore[index]
+        flexible = self._call_planner is not None  # another shape gets its own program
+        # another length of the other dims is another call shape (``runtime.calls``)
+        if (
+            batched
+            and value.dim() == len(shape)  # type: ignore[arg-type]
+            and value.shape[0] == total
+            and (flexible or tuple(value.shape[1:]) == shape[1:])  # type: ignore[index]
+        ):
             return True
-        if not self.pipelined and shape is not None and tuple(value.shape) == shape:
+        if not batched and not self.pipelined and (flexible or tuple(value.shape) == shape):
             return False  # not batched: every microbatch gets it whole
         want = (total, *shape[1:]) if shape else shape
         raise UsageError(
@@ -697,27 +886,31 @@ class CompiledModel(nn.Module):
     def _accumulate(
         self, leaves: list[Any], spec: Any, batch_major: list[bool], targets: torch.Tensor
     ) -> torch.Tensor:
-        """Microbatches one after the other; gradients synchronised in the last backward."""
+        """Microbatches one after the other, each loss weighted by its share of the batch;
+        gradients synchronised in the last backward."""
         assert self._loss_fn is not None
-        m, size = self.plan.parallelism.microbatches, self.plan.microbatch_size
-        total = torch.zeros((), device=self.device)
+        size, total = self.plan.microbatch_size, int(targets.shape[0])
+        starts = list(range(0, total, size))
+        mean = torch.zeros((), device=self.device)
         try:
-            for i in range(m):
-                self._sync.enabled = i == m - 1  # as DDP's no_sync, but the last
-                self._zero.accumulating = i < m - 1  # ZeRO-1 likewise
-                part = slice(i * size, (i + 1) * size)
+            for i, start in enumerate(starts):
+                last = i == len(starts) - 1
+                self._sync.enabled = last  # as DDP's no_sync, but the last
+                self._zero.accumulating = not last  # ZeRO-1 likewise
+                part = slice(start, min(start + size, total))
                 pieces = [
                     leaf[part] if split else leaf
                     for leaf, split in zip(leaves, batch_major, strict=True)
                 ]
                 outputs = self(*pytree.tree_unflatten(pieces, spec))
-                loss = self._loss_fn(outputs, targets[part]) / m
+                # its share of the batch (of m equal microbatches: divided by m)
+                loss = self._loss_fn(outputs, targets[part]) / (total / (part.stop - part.start))
                 loss.backward()
-                total += loss.detach().float()
+                mean += loss.detach().float()
         finally:
             self._sync.enabled = True
             self._zero.accumulating = False
-        return total
+        return mean
 
     def _pipeline_step(
         self, leaves: list[Any], batch_major: list[bool], targets: torch.Tensor

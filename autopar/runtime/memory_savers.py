@@ -34,14 +34,16 @@ def install(
     is_local: Callable[[torch.Tensor], bool],
     param_layers: Mapping[str, int | None],
     cast: frozenset[str] = frozenset(),
+    gathers: ParamGathers | None = None,
 ) -> ParamGathers | None:
     """Wrap ``plan``'s recompute regions in every program, group the all-gathers of
     parameters per layer (``param_layers``: each parameter's ``get_attr`` target and its
     layer, None outside the layers), and regather parameters that the programs all-gather
     (``is_local``: whether a tensor is a parameter's local tensor as the programs read it,
     a DTensor parameter's shard or a ZeRO working copy); ``cast``: the parameters gathered
-    in the compute dtype (``autopar_passes.mixed_precision``). Returns the regather record (None
-    when no program gathers a parameter)."""
+    in the compute dtype (``autopar_passes.mixed_precision``); ``gathers``: the record the
+    rank's other programs keep, which the collectives they share write to. Returns the
+    regather record (None when no program gathers a parameter)."""
     for program in programs:
         wrap_recompute(program, plan.recompute)
         # after the regions: a region's own gathers stay in it (run again in backward)
@@ -54,7 +56,7 @@ def install(
     ]
     if not gathers_params or not _any_sharded_param(plan):
         return None
-    gathers = ParamGathers(is_local)
+    gathers = gathers or ParamGathers(is_local)
     for module in gathers_params:
         module.gathers = gathers
     for program in programs:

@@ -89,6 +89,13 @@ class PendingSum(torch.Tensor):
     def tolist(self) -> Any:  # type: ignore[override]
         return self.wait().tolist()
 
+    # pickled (``torch.save``, a result sent to another process) and copied as its value
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.wait().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        return self.wait().clone()
+
 
 class DeferredAllReduce(torch.autograd.Function):
     """Sum ``x`` over ``group`` without waiting; the gradient passes through (an output

@@ -198,3 +198,14 @@ def test_tracing_leaves_the_users_logging_as_it_was():
         assert not logging.getLogger("torch").disabled  # torch's own back as they were
     finally:
         logging.disable(logging.NOTSET)
+
+
+def test_a_model_traced_under_no_grad_is_traced_for_training():
+    """A compiled model meets a call of a new shape under ``torch.no_grad()`` (an evaluation)
+    and reuses its program for training later: the trace is the one made with gradients."""
+    model, inputs = build("gpt-tiny", batch_size=2)
+    with_grad = trace(model, inputs)
+    with torch.no_grad():
+        without = trace(model, inputs)
+    assert without.graph_module.code == with_grad.graph_module.code
+    assert sum(n.bwd_flops for n in without.annotations().values()) > 0

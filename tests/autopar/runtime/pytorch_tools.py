@@ -246,24 +246,36 @@ def run_hf_script(rank: int, world: int, forces: list[str]) -> dict[str, Any]:
         value = norm.full_tensor() if isinstance(norm, DTensor) else norm
         steps = [(float(first.detach()), float(value))]
         steps += [_hf_step(compiled, optimizer, schedule, tokens) for tokens in batches[1:]]
-        results[force] = {"reference": reference, "steps": steps, "refused": _refusals(compiled)}
+        results[force] = {
+            "reference": reference,
+            "steps": steps,
+            "other calls": _other_calls(compiled, single),
+        }
     return results
 
 
-def _refusals(compiled: nn.Module) -> dict[str, str]:
-    """The messages of calls that do not fit the keywords the model was traced with."""
-    tokens = torch.zeros(4, 16, dtype=torch.long)
-    calls = {
-        "labels left out": {"input_ids": tokens},
-        "another cache setting": {"input_ids": tokens, "labels": tokens, "use_cache": True},
-    }
-    found = {}
-    for what, kwargs in calls.items():
-        try:
-            compiled(**kwargs)
-        except UsageError as error:
-            found[what] = str(error)
-    return found
+def _other_calls(compiled: nn.Module, single: nn.Module) -> dict[str, Any]:
+    """Calls a script makes besides training, on the compiled model and on one device: the
+    logits without labels, greedy generation of a few tokens in eval mode (Hugging Face's
+    ``generate`` on one device), and a call asking for the KV cache (refused)."""
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(5))
+    prompt = tokens[:2, :5]
+    with torch.no_grad():
+        logits = (compiled(input_ids=tokens).logits, single(input_ids=tokens).logits)
+    compiled.eval()
+    single.eval()
+    generated = (
+        compiled.generate(prompt, max_new_tokens=4),
+        single.generate(prompt, max_new_tokens=4, do_sample=False),
+    )
+    compiled.train()
+    single.train()
+    refused = ""
+    try:
+        compiled(input_ids=tokens, labels=tokens, use_cache=True)
+    except UsageError as error:
+        refused = str(error)
+    return {"logits": logits, "generated": generated, "refused": refused}
 
 
 def run_foreach_zero(rank: int, world: int, zero: int) -> dict[str, list[float]]:

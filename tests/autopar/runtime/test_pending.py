@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import io
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +24,13 @@ class _Work:
         self.waits += 1
         self.buffer.copy_(self.total)
         return True
+
+
+def _saved_and_loaded(t: torch.Tensor) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(t, buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
 
 
 def _pending(partial: float = 1.5, total: float = 6.0) -> tuple[PendingSum, _Work]:
@@ -43,6 +54,9 @@ def _pending(partial: float = 1.5, total: float = 6.0) -> tuple[PendingSum, _Wor
         lambda t: t.tolist(),
         lambda t: float(t.cpu()),
         lambda t: float(torch.stack([t, t])[0]),
+        lambda t: float(pickle.loads(pickle.dumps(t))),
+        lambda t: float(_saved_and_loaded(t)),
+        lambda t: float(copy.deepcopy(t)),
     ],
     ids=[
         "item",
@@ -57,6 +71,9 @@ def _pending(partial: float = 1.5, total: float = 6.0) -> tuple[PendingSum, _Wor
         "tolist",
         "cpu",
         "stack",
+        "pickle",
+        "torch.save",
+        "deepcopy",
     ],
 )
 def test_every_read_gives_the_sum(read) -> None:

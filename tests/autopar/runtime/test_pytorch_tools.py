@@ -154,13 +154,22 @@ def test_a_hugging_face_model_called_with_labels_trains_as_on_one_device(
     )
 
 
-def test_a_call_with_other_keywords_than_traced_is_refused_with_the_difference(
-    hugging_face,
-) -> None:
-    refused = hugging_face["dp"]["refused"]
-    assert "missing here: ['labels']" in refused["labels left out"]
-    assert "use_cache=True" in refused["another cache setting"]
-    assert "use_cache=False" in refused["another cache setting"]
+@pytest.mark.parametrize("force", HF_FORCES)
+def test_a_call_without_labels_and_generation_give_what_one_device_gives(hugging_face, force):
+    """The traced call had labels; a call without them (the logits), and greedy generation
+    in eval mode, run programs of their own (``runtime.calls``) with the same weights."""
+    calls = hugging_face[force]["other calls"]
+    got, want = calls["logits"]
+    assert torch.allclose(got, want, rtol=TOLERANCE, atol=TOLERANCE)
+    generated, reference = calls["generated"]
+    assert generated.shape == (2, 9)
+    assert torch.equal(generated, reference)
+
+
+def test_a_call_asking_for_the_kv_cache_is_refused_with_what_to_do(hugging_face) -> None:
+    refused = hugging_face["dp"]["other calls"]["refused"]
+    assert "use_cache=True" in refused and "use_cache=False" in refused
+    assert "generate" in refused
 
 
 def test_a_pipeline_plan_saves_and_resumes_through_dcp(tmp_path) -> None:

@@ -60,8 +60,9 @@ def test_the_example_training_script_matches_one_device_and_resumes_exactly(
 ) -> None:
     """examples/train.py as a user runs it: no process group of its own (compile starts it
     from torchrun's environment), a Hugging Face Llama called with labels, clipping, a
-    cosine schedule, a DCP checkpoint after step 2 that a second job resumes from."""
-    from autopar_examples.train import build_model, train
+    cosine schedule, a DCP checkpoint after step 2 that a second job resumes from, and
+    greedy generation in eval mode at the end."""
+    from autopar_examples.train import build_model, continue_prompt, train
 
     checkpoint, first, second = tmp_path / "ckpt", tmp_path / "a.json", tmp_path / "b.json"
     common = ["-m", "autopar_examples.train", "--mesh", "2", "--steps", "4"]
@@ -69,11 +70,14 @@ def test_the_example_training_script_matches_one_device_and_resumes_exactly(
     _torchrun(*common, "--checkpoint", str(checkpoint), "--resume", "2", "--out", str(second))
     trained = json.loads(first.read_text())
     resumed = json.loads(second.read_text())
-    alone = train(build_model(), 4)
+    model = build_model()
+    alone = train(model, 4)
     assert trained["world"] == 2
     assert min(norm for _, norm in alone) > 0.5  # clipping acts on every step
     assert _flat(trained["history"]) == pytest.approx(_flat(alone), rel=1e-5)
     assert _flat(resumed["history"]) == pytest.approx(_flat(trained["history"][2:]), rel=1e-5)
+    # Hugging Face's generate on one device, and the compiled model's, after the same steps
+    assert trained["generated"] == resumed["generated"] == continue_prompt(model)
 
 
 def test_training_onto_the_scripts_own_device_mesh_matches_single_device(
