@@ -38,15 +38,16 @@ def _flat(history: list) -> list[float]:
     return [value for step in history for value in step]
 
 
-def _torchrun(*script: str) -> None:
-    """Run ``script`` (a file or ``-m module``, with its arguments) on 2 processes."""
+def _torchrun(*script: str, processes: int = 2) -> None:
+    """Run ``script`` (a file or ``-m module``, with its arguments) on ``processes``."""
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
         OMP_NUM_THREADS="1",
     )
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc_per_node", str(processes),
         *script,
     ]  # fmt: skip
     done = subprocess.run(
@@ -78,6 +79,23 @@ def test_the_example_training_script_matches_one_device_and_resumes_exactly(
     assert _flat(resumed["history"]) == pytest.approx(_flat(trained["history"][2:]), rel=1e-5)
     # Hugging Face's generate on one device, and the compiled model's, after the same steps
     assert trained["generated"] == resumed["generated"] == continue_prompt(model)
+
+
+def test_the_example_training_script_on_one_process_is_the_loop_without_autopar(
+    tmp_path: Path,
+) -> None:
+    """A job of one process compiles for a mesh of one device: the same steps and tokens."""
+    from autopar_examples.train import build_model, continue_prompt, train
+
+    out = tmp_path / "one.json"
+    _torchrun("-m", "autopar_examples.train", "--mesh", "1", "--steps", "3", "--out", str(out),
+              processes=1)  # fmt: skip
+    ran = json.loads(out.read_text())
+    model = build_model()
+    alone = train(model, 3)
+    assert ran["world"] == 1
+    assert _flat(ran["history"]) == pytest.approx(_flat(alone), rel=1e-5)
+    assert ran["generated"] == continue_prompt(model)
 
 
 def test_training_onto_the_scripts_own_device_mesh_matches_single_device(
