@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
+from autopar_passes.batch_norm import decompose_batch_norms
 from autopar_passes.graph_edit import copy_meta as _copy_meta
 from autopar_passes.graph_edit import set_val as _set_val
 
@@ -50,8 +51,10 @@ _CLASS_LOSSES = (aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nl
 
 def decompose_for_sharding(graph_module: GraphModule) -> int:
     """Rewrite every mean-reduced class-index cross-entropy (and nll_loss) in place into a
-    sum-reduced loss divided by the count of targets kept. Returns how many were rewritten."""
-    count = 0
+    sum-reduced loss divided by the count of targets kept, and write out every
+    training-mode batch norm (``autopar_passes.batch_norm``). Returns how many were
+    rewritten."""
+    count = decompose_batch_norms(graph_module)
     for node in list(graph_module.graph.nodes):
         if (
             node.op == "call_function"

@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar_cost_model.flops import cpu_flash_flop_mapping
+from autopar_passes.strategies.inplace import mutates_first_input
 
 aten = torch.ops.aten
 
@@ -137,6 +138,10 @@ class OpProber:
                 args = self._materialise(node.args, needs_grad)
                 kwargs = self._materialise(kwargs, needs_grad)
                 inputs = tensor_leaves(args) + tensor_leaves(kwargs)
+                if mutates_first_input(node.target) and isinstance(args[0], torch.Tensor):
+                    # an input that requires grad is a leaf, which autograd lets no op write
+                    # into: the op writes into a copy, whose backward passes gradients on
+                    args = (args[0].clone(), *args[1:])
                 with (
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
                     FlopCounterMode(display=False, custom_mapping=self._flop_mapping) as fwd,

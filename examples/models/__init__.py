@@ -7,7 +7,8 @@ Every factory returns ``(model, example_inputs)`` for ``model(*example_inputs)``
 >>> model, inputs = build("gpt-tiny")                      # real weights, runs on CPU
 
 Model families (each a factory over a config dataclass): :func:`gpt`, :func:`llama`,
-:func:`moe`, :func:`mlp`. Published sizes and tiny test sizes: :data:`PRESETS`.
+:func:`moe`, :func:`mlp`, :func:`resnet`, :func:`vit`. Published sizes and tiny test sizes:
+:data:`PRESETS`.
 """
 
 from autopar_examples.models._build import Built
@@ -33,7 +34,14 @@ from autopar_examples.models.presets import (
     mixtral_sparse_tiny,
     mlp_tiny,
     moe_tiny,
+    resnet18,
+    resnet50,
+    resnet_tiny,
+    vit_b16,
+    vit_tiny,
 )
+from autopar_examples.models.resnet import ResNetConfig, resnet
+from autopar_examples.models.vit import ViTConfig, vit
 
 __all__ = [
     "PRESETS",
@@ -43,6 +51,8 @@ __all__ = [
     "MLPConfig",
     "MoEConfig",
     "Preset",
+    "ResNetConfig",
+    "ViTConfig",
     "build",
     "gpt",
     "gpt2_124m",
@@ -62,4 +72,11 @@ __all__ = [
     "mlp_tiny",
     "moe",
     "moe_tiny",
+    "resnet",
+    "resnet18",
+    "resnet50",
+    "resnet_tiny",
+    "vit",
+    "vit_b16",
+    "vit_tiny",
 ]

@@ -22,6 +22,8 @@ from autopar_examples.models.gpt import gpt
 from autopar_examples.models.llama import llama
 from autopar_examples.models.mlp import mlp
 from autopar_examples.models.moe import moe
+from autopar_examples.models.resnet import resnet
+from autopar_examples.models.vit import vit
 from autopar_plans.errors import UsageError
 
 
@@ -40,6 +42,8 @@ def _preset(factory: Callable[..., Built], source: str, **config: Any) -> Preset
 _GPT3 = "Brown et al. 2020, 'Language Models are Few-Shot Learners', Table 2.1"
 _LLAMA3 = "Llama Team 2024, 'The Llama 3 Herd of Models', Table 3"
 _MIXTRAL = "Jiang et al. 2024, 'Mixtral of Experts', Table 1"
+_RESNET = "He et al. 2016, 'Deep Residual Learning for Image Recognition', Table 1"
+_VIT = "Dosovitskiy et al. 2021, 'An Image is Worth 16x16 Words', Table 1"
 
 # One preset per few lines reads better as a table than one argument per line.
 # fmt: off
@@ -118,6 +122,21 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
         "mlp-tiny": _preset(
             mlp, "tests", d_in=16, d_hidden=64, d_out=16, n_layers=3, batch_size=4
         ),
+        # ImageNet shapes: 224x224 images, 1000 classes
+        "resnet18": _preset(resnet, _RESNET, layers=(2, 2, 2, 2), block="basic"),
+        "resnet50": _preset(resnet, _RESNET, layers=(3, 4, 6, 3), block="bottleneck"),
+        "vit-b16": _preset(vit, _VIT),
+        # a ResNet of every kind of layer, small enough for tests on gloo ranks
+        "resnet-tiny": _preset(
+            resnet, "tests",
+            layers=(1, 1, 1, 1), block="basic", width=8, num_classes=16, image_size=32,
+            batch_size=8,
+        ),
+        "vit-tiny": _preset(
+            vit, "tests",
+            image_size=32, patch_size=8, d_model=32, n_layer=2, n_head=4, d_ff=64,
+            num_classes=16, batch_size=8,
+        ),
     }
 )
 # fmt: on
@@ -193,6 +212,31 @@ def llama_tiny(**overrides: Any) -> Built:
 def moe_tiny(**overrides: Any) -> Built:
     """A ~60k-parameter MoE transformer with 4 experts, top-2, for tests."""
     return build("moe-tiny", **overrides)
+
+
+def resnet18(**overrides: Any) -> Built:
+    """ResNet-18, 11.7M parameters, on 224x224 images."""
+    return build("resnet18", **overrides)
+
+
+def resnet50(**overrides: Any) -> Built:
+    """ResNet-50, 25.6M parameters, on 224x224 images."""
+    return build("resnet50", **overrides)
+
+
+def vit_b16(**overrides: Any) -> Built:
+    """ViT-B/16, 86.6M parameters, on 224x224 images."""
+    return build("vit-b16", **overrides)
+
+
+def resnet_tiny(**overrides: Any) -> Built:
+    """A ResNet with one basic block a stage, 8 channels wide, on 32x32 images, for tests."""
+    return build("resnet-tiny", **overrides)
+
+
+def vit_tiny(**overrides: Any) -> Built:
+    """A two-layer ViT on 32x32 images in 8x8 patches, for tests."""
+    return build("vit-tiny", **overrides)
 
 
 def mixtral_sparse_tiny(**overrides: Any) -> Built:

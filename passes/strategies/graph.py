@@ -8,7 +8,8 @@ Reads the annotated graph (``node.meta["autopar"]``) and the rule table; writes 
 - a parameter gets every layout of its shape that splits evenly (its *storage* layout: a
   layout sharded where its consumers need it whole is FSDP, the consumer's edge gathers it);
 - a user input, buffer or constant is replicated (every rank holds the full batch; a
-  consumer that wants a shard slices it for free);
+  consumer that wants a shard slices it for free), and an in-place op on one takes it as
+  it is (``_mutating_held_state``);
 - ``getitem`` follows its producer (one strategy per producer strategy);
 - nodes without tensor outputs (``_assert_tensor_metadata``) are dropped.
 """
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from autopar_passes.annotation import META_KEY, NodeAnnotation, TensorInfo
+from autopar_passes.strategies.inplace import mutates_first_input
 from autopar_passes.strategies.table import rules
 from autopar_passes.strategies.types import OpCall, Strategy, replicate_all
 from autopar_plans.placement import REPLICATE, Layout, Placement, Shard
@@ -148,6 +150,9 @@ def graph_choices(
             strategies = [replicate_all(call, mesh_shape)]
             unknown[str(node.target)] = unknown.get(str(node.target), 0) + 1
         inputs = tensor_inputs(node)
+        if inputs and mutates_first_input(node.target):
+            source = choices.get(inputs[0].producer)
+            strategies = _mutating_held_state(strategies, source, call, mesh_shape)
         params = tuple(_param_of(choices.get(i.producer)) for i in inputs)
         choices[node.name] = NodeChoices(
             node.name, "op", strategies, inputs, call=call, note=note, params=params
@@ -158,6 +163,21 @@ def graph_choices(
             "on every device"
         )
     return choices, warnings
+
+
+def _mutating_held_state(
+    strategies: list[Strategy],
+    source: NodeChoices | None,
+    call: OpCall,
+    mesh_shape: tuple[int, ...],
+) -> list[Strategy]:
+    """An in-place op on a buffer or an input, which every rank holds whole: only the
+    strategies that take it replicated (a reshard would write into a copy, and the buffer
+    would keep its old value)."""
+    if source is None or source.kind not in ("input", "buffer", "constant"):
+        return strategies
+    kept = [s for s in strategies if s.inputs[0].is_replicated]
+    return kept or [replicate_all(call, mesh_shape)]
 
 
 def _param_of(choices: NodeChoices | None) -> str | None:

@@ -10,6 +10,11 @@ rms_norm                   the leading dims
 _fused_rms_norm            the leading dims, in ``out`` and ``rstd``
 group_norm                 the batch dim 0 (a group's statistics span channels and
                            every spatial position)
+batch_norm (eval)          any dim: each channel is scaled and shifted by its running
+                           statistics; the channels (dim 1) with the affine parameters
+                           and statistics split alike
+batch_norm (training)      nothing: ``autopar_passes.batch_norm`` writes it out as sums
+                           first, which shard over the batch
 =========================  ==========================================================
 
 The statistics are taken over the normalized dims, so those must be whole on every device;
@@ -58,7 +63,26 @@ def group_norm_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]
     return _leading_dims_strategies(call, mesh_shape, range(min(1, len(call.inputs[0].shape))))
 
 
+def batch_norm_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
+    """batch_norm(input [N, C, *], weight, bias, running_mean, running_var, training, ...):
+    in eval mode an affine map per channel, so any dim shards (the per-channel tensors
+    replicated), or the channels with every per-channel tensor split alike. In training
+    the statistics span the batch and space; the trace writes that case out as sums
+    (``autopar_passes.batch_norm``), and what is left here is replicated."""
+    roles = input_roles(call)
+    choices: list[AxisChoice] = [replicate_choice(len(roles), 1)]
+    if schema_args(call)["training"]:
+        return combine(choices, call, mesh_shape)
+    for dim in range(len(call.inputs[0].shape)):
+        if dim != 1:
+            choices.append(role_choice(roles, {"input": Shard(dim)}, (Shard(dim),)))
+    per_channel = {role: Shard(0) for role in roles if role != "input"}
+    choices.append(role_choice(roles, {"input": Shard(1), **per_channel}, (Shard(1),)))
+    return combine(choices, call, mesh_shape)
+
+
 RULES: dict[object, Rule] = {
+    aten.batch_norm.default: batch_norm_rule,
     aten.layer_norm.default: layer_norm_rule,
     aten.native_layer_norm.default: layer_norm_rule,
     aten.rms_norm.default: layer_norm_rule,

@@ -13,18 +13,34 @@ from types import MappingProxyType
 
 from autopar_passes.strategies import (
     attention,
+    conv,
     embedding,
+    inplace,
     loss,
     matmul,
     norm,
     pointwise,
+    pool,
     reduction,
     scatter,
     view,
 )
 from autopar_passes.strategies.types import LocalKind, Rule
 
-FAMILIES = (matmul, pointwise, view, reduction, norm, attention, embedding, loss, scatter)
+FAMILIES = (
+    matmul,
+    conv,
+    pool,
+    pointwise,
+    view,
+    reduction,
+    norm,
+    attention,
+    embedding,
+    loss,
+    scatter,
+    inplace,
+)
 
 
 @cache

@@ -33,7 +33,7 @@ class Failure:
 
 def op_call(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpCall:
     """The ``OpCall`` a rule would see for this call on these real tensors."""
-    out = target(*args, **kwargs)
+    out = target(*_cloned(args), **_cloned(kwargs))  # an in-place op writes into a copy
     return OpCall(
         target=target,
         args=_to_info(args),
@@ -41,6 +41,18 @@ def op_call(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpCal
         inputs=tuple(_info(t) for t in _tensors(args) + _tensors(kwargs)),
         outputs=tuple(_info(t) for t in _tensors(out)),
     )
+
+
+def _cloned(value: Any) -> Any:
+    """``value`` with every tensor copied, so that an in-place op leaves the inputs as
+    they were for the devices' calls."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, list | tuple):
+        return type(value)(_cloned(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    return value
 
 
 def check_rule(
@@ -61,7 +73,7 @@ def check_rule(
     """
     kwargs = dict(kwargs or {})
     call = op_call(target, args, kwargs)
-    expected = _tensors(target(*args, **kwargs))
+    expected = _tensors(target(*_cloned(args), **_cloned(kwargs)))
     strategies = rule(call, mesh_shape)
     failures: list[Failure] = []
     for strategy in strategies:
@@ -150,7 +162,7 @@ def _local_piece(
     for axis, placement in enumerate(layout):
         if isinstance(placement, Shard):
             piece = piece.chunk(mesh_shape[axis], dim=placement.dim)[coords[axis]]
-    return piece.contiguous()
+    return piece.clone(memory_format=torch.contiguous_format)  # its own: ops may write to it
 
 
 def _assemble(

@@ -9,6 +9,7 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import autopar
@@ -47,15 +48,15 @@ def test_compile_lets_go_of_the_model_it_was_given():
 
 
 class _ConvNet(nn.Module):
-    """A convolution, which has no sharding rule yet: its plan says so in a warning."""
+    """A pixel shuffle, which has no sharding rule: its plan says so in a warning."""
 
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3)
-        self.head = nn.Linear(4, 2)
+        self.head = nn.Linear(1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.conv(x).mean((2, 3)))
+        return self.head(F.pixel_shuffle(self.conv(x), 2).mean((2, 3)))
 
 
 def _compile_warnings(rank: int, world_size: int) -> list[tuple[str, str]]:
@@ -71,7 +72,8 @@ def test_a_plans_warnings_are_pythons_warnings_at_the_callers_line():
     that a warnings filter (or ``pytest -W error``) sees it, attributed to the user's own
     call of ``plan`` or ``compile``."""
     x = torch.randn(4, 3, 8, 8)
-    with pytest.warns(autopar.PlanWarning, match="no sharding rule for aten.conv2d") as planned:
+    unknown = "no sharding rule for aten.pixel_shuffle"
+    with pytest.warns(autopar.PlanWarning, match=unknown) as planned:
         plan = autopar.plan(_ConvNet(), autopar.Mesh((2,), ("dp",), device="cpu"), (x,))
     mine = [w for w in planned if w.category is autopar.PlanWarning]
     assert [str(w.message) for w in mine] == list(plan.warnings)

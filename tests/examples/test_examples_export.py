@@ -44,7 +44,7 @@ EXPECTED_PARAMETER = {
 }
 
 
-@pytest.mark.parametrize("name", FULL_SIZE)
+@pytest.mark.parametrize("name", [n for n in FULL_SIZE if "seq_len" in PRESETS[n].config])
 def test_full_size_traces_on_meta(name: str) -> None:
     model, inputs = build(name, device="meta", n_layer=2)
     program = torch.export.export(model, inputs, strict=False)
@@ -64,3 +64,14 @@ def test_full_size_traces_on_meta(name: str) -> None:
         if node.op == "call_function" and node.target == torch.ops.aten.linear.default
     ]
     assert stacks and all(stacks)  # module paths survive for naming
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "vit-b16"])
+def test_full_size_image_models_trace_on_meta(name: str) -> None:
+    overrides = {"n_layer": 2} if name.startswith("vit") else {}
+    model, inputs = build(name, device="meta", batch_size=2, **overrides)
+    program = torch.export.export(model, inputs, strict=False)
+    (output,) = [node for node in program.graph.nodes if node.op == "output"]
+    assert [tuple(n.meta["val"].shape) for n in as_tuple(output.args[0])] == [(2, 1000)]
+    convs = [n for n in program.graph.nodes if n.target == torch.ops.aten.conv2d.default]
+    assert len(convs) == {"resnet18": 20, "resnet50": 53, "vit-b16": 1}[name]

@@ -25,6 +25,8 @@ def test_forward_shape_and_finite(name: str) -> None:
     config = PRESETS[name].config
     if name == "mlp-tiny":
         assert out.shape == (config["batch_size"], config["d_out"])
+    elif "num_classes" in config:  # an image classifier
+        assert out.shape == (config["batch_size"], config["num_classes"])
     else:
         assert out.shape == (config["batch_size"], config["seq_len"], config["vocab_size"])
     assert torch.isfinite(out).all()

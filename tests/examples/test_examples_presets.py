@@ -32,6 +32,11 @@ PUBLISHED = {
     "llama3-8b": 8.0e9,
     "llama3-70b": 70e9,
     "mixtral-8x7b": 46.7e9,
+    # He et al. 2016 as the reference implementations count them; Dosovitskiy et al. 2021,
+    # Table 1 ("86M")
+    "resnet18": 11.7e6,
+    "resnet50": 25.6e6,
+    "vit-b16": 86e6,
 }
 
 
@@ -94,6 +99,15 @@ def test_gpt2_124m_has_its_released_count() -> None:
 def test_llama_counts(name: str, expected: int) -> None:
     model, _ = build(name, device="meta")
     assert llama_parameters(PRESETS[name].config) == expected
+    assert count_parameters(model) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [("resnet18", 11_689_512), ("resnet50", 25_557_032), ("vit-b16", 86_567_656)],
+)
+def test_image_model_counts(name: str, expected: int) -> None:
+    model, _ = build(name, device="meta")
     assert count_parameters(model) == expected
 
 
@@ -210,7 +224,8 @@ def test_tiny_presets_are_tiny_and_split_four_ways(name: str) -> None:
     for key in ("n_head", "n_kv_head", "d_model", "d_ff", "vocab_size", "n_experts"):
         if key in config:
             assert config[key] % 4 == 0, key
-    assert inputs[0].shape[0] in (2, 3, 4)
+    # image models take 8: two images a device over four, for batch norm's statistics
+    assert inputs[0].shape[0] in (2, 3, 4, 8)
 
 
 def test_dtype_can_be_named() -> None:

@@ -86,13 +86,13 @@ def in_float64(
 
 def assert_same_training(result: dict[str, Any]) -> None:
     """One multi-rank ``compare`` result (``ref_*``: single device in fp32, ``exact_*``: in
-    float64): losses, first gradients and final parameters each within the fp32 roundoff
-    of single-device training."""
+    float64): losses, first gradients, final parameters and buffers each within the fp32
+    roundoff of single-device training."""
     case = result["case"]
     assert_trains_alike(
         result["losses"], result["ref_losses"], result["exact_losses"], f"{case}: losses"
     )
-    for kind in ("grads", "params"):
+    for kind in ("grads", "params", "buffers"):
         for name, ref in result.get(f"ref_{kind}", {}).items():
             assert_trains_alike(
                 result[kind][name], ref, result[f"exact_{kind}"][name], f"{case}: {kind} of {name}"

@@ -2,9 +2,10 @@
 
 Used by the multi-rank equivalence tests: every rank builds the same model (same seed),
 runs 3 AdamW steps on it alone (the reference) and on its compiled copy, and returns the
-losses, the gathered gradients of the first step and the gathered parameters after the
-last, for the test to compare. Rank 0 also trains the model alone in float64, which measures
-the fp32 roundoff the comparison allows (``tests.autopar.runtime.closeness``).
+losses, the gathered gradients of the first step and the gathered parameters and buffers
+(batch norms' running statistics) after the last, for the test to compare. Rank 0 also
+trains the model alone in float64, which measures the fp32 roundoff the comparison allows
+(``tests.autopar.runtime.closeness``).
 """
 
 from __future__ import annotations
@@ -36,9 +37,12 @@ def make_case(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], tor
     generator = torch.Generator().manual_seed(1)
     if name == "mlp-tiny":
         target = torch.randn(inputs[0].shape[0], 16, generator=generator)
-    else:
+    elif hasattr(model, "lm_head"):  # a language model: a token per position
         vocab = model.lm_head.weight.shape[0]
         target = torch.randint(0, vocab, inputs[0].shape, generator=generator)
+    else:  # an image classifier: a class per image
+        classes = model.head.weight.shape[0]
+        target = torch.randint(0, classes, inputs[0].shape[:1], generator=generator)
     return model, inputs, target
 
 
@@ -58,6 +62,7 @@ def exact_run(
         "exact_losses": losses,
         "exact_grads": grads,
         "exact_params": {n: p.detach() for n, p in exact.named_parameters()},
+        "exact_buffers": dict(exact.named_buffers()),
     }
 
 
@@ -117,6 +122,9 @@ def compare(
         )
         params = {n: compiled.full_parameter(n) for n in names_}
         ref_params = dict(reference.named_parameters())
+        # what the steps changed besides the parameters (batch norms' running statistics)
+        state = compiled.state_dict()
+        buffers = {n: state[n] for n, _ in reference.named_buffers() if n in state}
         if rank == 0:
             results.append(
                 {
@@ -133,6 +141,9 @@ def compare(
                     "exact_losses": exact["exact_losses"],
                     "exact_grads": {n: exact["exact_grads"][n] for n in names_},
                     "exact_params": {n: exact["exact_params"][n] for n in names_},
+                    "buffers": buffers,
+                    "ref_buffers": {n: b for n, b in reference.named_buffers() if n in buffers},
+                    "exact_buffers": {n: exact["exact_buffers"][n] for n in buffers},
                 }
             )
     return results

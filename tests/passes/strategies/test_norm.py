@@ -118,3 +118,38 @@ def test_normalizing_every_dim_leaves_nothing_to_shard(op: Any) -> None:
     x = _x()
     names = {s.name for s in _check(op, (x, [4, 12, 8]), {}, (2,))}
     assert names == {"R->R"}  # everything is normalized: nothing to shard
+
+
+def _bn_args(training: bool) -> tuple[Any, ...]:
+    channels = 12
+    return (
+        _randn(*SHAPE, 4, seed=3),
+        _randn(channels, seed=1),
+        _randn(channels, seed=2),
+        _randn(channels, seed=4),
+        _randn(channels, seed=5).abs() + 0.5,
+        training,
+        0.1,
+        1e-5,
+        False,
+    )
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=str)
+def test_batch_norm_in_eval_mode_shards_any_dim(mesh: tuple[int, ...]) -> None:
+    op = aten.batch_norm.default
+    strategies, failures = check_rule(rules()[op], op, _bn_args(False), mesh_shape=mesh)
+    assert not failures, describe_failures(failures)
+    names = {s.name for s in strategies}
+    if mesh == (2,):
+        # channels with every per-channel tensor alike; the batch and space alone
+        assert "S(1),S(0),S(0),S(0),S(0)->S(1)" in names
+        assert {"S(0),R,R,R,R->S(0)", "S(2),R,R,R,R->S(2)"} <= names
+
+
+def test_batch_norm_in_training_is_left_whole_here() -> None:
+    """Its statistics span the batch: the trace writes it out as sums first (the batch norm
+    equivalence on ranks is ``tests/autopar/runtime/test_vision.py``)."""
+    op = aten.batch_norm.default
+    strategies, _ = check_rule(rules()[op], op, _bn_args(True), mesh_shape=(2,))
+    assert [s.name for s in strategies] == ["R,R,R,R,R->R"]

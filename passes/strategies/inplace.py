@@ -1,0 +1,74 @@
+"""Sharding rules: in-place ops (``add_``, ``mul_``, ``copy_``, ``masked_fill_``, ...).
+
+An in-place op writes its result into its first input and returns that tensor: its
+strategies are those of the out-of-place op (``add_`` takes ``add``'s) whose output is laid
+out as the first input, since the tensor keeps its layout, and that run the op itself on
+each device (not a special local, which would compute a new tensor). ``copy_(self, src)`` writes
+``src`` (broadcast to ``self``'s shape) into ``self``: an elementwise op whose partial
+``src`` gives a partial result, ``self``'s old values dropped.
+
+The mutated tensor must reach the op as it is, since a reshard would write into a copy: a
+buffer or an input, which every rank holds whole, is mutated only replicated
+(``autopar_passes.strategies.graph``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from autopar_passes.strategies import pointwise, scatter
+from autopar_passes.strategies.types import SAME, OpCall, Rule, Strategy
+
+aten = torch.ops.aten
+
+
+def mutates_first_input(target: object) -> bool:
+    """Whether ``target``'s schema writes its first argument (an in-place op)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write and not schema.name.endswith("_out")
+
+
+def in_place(rule: Rule) -> Rule:
+    """The rule of an in-place op, from its out-of-place op's ``rule``."""
+
+    def rule_in_place(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
+        # a special local (dropout's masks, a mean's scale) runs another function, which
+        # would not write into the input
+        return [
+            s for s in rule(call, mesh_shape) if s.outputs[0] == s.inputs[0] and s.local == SAME
+        ]
+
+    return rule_in_place
+
+
+def copy_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
+    """copy_(self, src): as an elementwise op of both, partial in both together; the
+    result in ``self``'s layout."""
+    return in_place(pointwise.additive_rule)(call, mesh_shape)
+
+
+def _in_place_variants(families: Iterable[Mapping[object, Rule]]) -> dict[object, Rule]:
+    """``aten.add_.Tensor`` -> the rule of ``aten.add.Tensor``, for every op of
+    ``families`` that has an in-place variant of the same overload."""
+    found: dict[object, Rule] = {}
+    for table in families:
+        for op, rule in table.items():
+            name = getattr(op, "_schema", None)
+            if name is None or name.name.endswith("_"):
+                continue
+            packet = getattr(aten, name.name.removeprefix("aten::") + "_", None)
+            variant = getattr(packet, op._overloadname, None) if packet is not None else None
+            if variant is not None and mutates_first_input(variant):
+                found[variant] = in_place(rule)
+    return found
+
+
+RULES: dict[object, Rule] = {
+    **_in_place_variants([pointwise.RULES, scatter.RULES]),
+    aten.copy_.default: copy_rule,
+}
