@@ -21,6 +21,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from autopar_passes.strategies.inplace import mutates_first_input
 from autopar_plans.plan import RecomputeRegion
 
 
@@ -80,8 +81,19 @@ def _slug(text: str) -> str:
 
 
 def _region_nodes(graph: torch.fx.Graph, names: set[str]) -> list[torch.fx.Node]:
-    """The region's nodes in graph order: the named ops, and the nodes made only for them."""
-    inside = {n for n in graph.nodes if n.name in names}
+    """The region's nodes in graph order: the named ops but those that write into an input
+    or read a tensor that is written, and the nodes made only for them."""
+    # an op that writes into its input (a batch norm's running statistics) runs once, in
+    # the forward, with what computes only what it writes: recomputed in backward, it would
+    # write twice. The checkpoint keeps a region's inputs and refuses one changed in place by
+    # the time backward runs it again, so a region that reads a written tensor otherwise is
+    # not recomputed at all
+    writes = {n for n in graph.nodes if mutates_first_input(n.target)}
+    kept_out = writes | _feeding_only(graph, writes)
+    written = {w.args[0] for w in writes}
+    inside = {n for n in graph.nodes if n.name in names and n not in kept_out}
+    if any(arg in written for n in inside for arg in n.all_input_nodes):
+        return []
     if not inside:
         return []
     changed = True
@@ -90,7 +102,7 @@ def _region_nodes(graph: torch.fx.Graph, names: set[str]) -> list[torch.fx.Node]
         for node in reversed(list(graph.nodes)):
             if node in inside or node.op not in ("call_function", "call_module"):
                 continue
-            if node.name in names:
+            if node.name in names or node in kept_out:
                 continue
             if (
                 node.users
@@ -102,6 +114,15 @@ def _region_nodes(graph: torch.fx.Graph, names: set[str]) -> list[torch.fx.Node]
     order = {node: i for i, node in enumerate(graph.nodes)}
     first = min(order[n] for n in inside if n.name in names)
     return [n for n in graph.nodes if n in inside and order[n] >= first]
+
+
+def _feeding_only(graph: torch.fx.Graph, writes: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The nodes whose every use leads only to ``writes``."""
+    feeding: set[torch.fx.Node] = set()
+    for node in reversed(list(graph.nodes)):
+        if node.users and all(user in writes or user in feeding for user in node.users):
+            feeding.add(node)
+    return feeding
 
 
 def _is_traced_op(node: torch.fx.Node) -> bool:

@@ -9,7 +9,7 @@ import autopar
 from autopar.testing.simulate import _set
 from autopar_examples.models import build
 from autopar_passes.from_plan import PlanLayouts
-from autopar_passes.lower_recompute import wrap_recompute
+from autopar_passes.lower_recompute import Recompute, wrap_recompute
 from autopar_passes.lower_spmd import lower_spmd
 from autopar_passes.trace import trace
 
@@ -75,3 +75,25 @@ def test_wrapped_regions_save_less_and_give_the_same_gradients():
         assert abs((plain_saved - saved) - freed) <= 0.1 * plain_saved
         for key, grad in plain_grads.items():
             torch.testing.assert_close(grads[key], grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_recomputed_batch_norm_updates_its_running_statistics_once():
+    """A region of a ResNet recomputed in backward runs its ops twice; the writes of the
+    batch norms' running statistics stay outside it, so the statistics after one step are
+    one forward's, as on a model that recomputes nothing."""
+    torch.manual_seed(0)
+    reference, inputs = build("resnet-tiny", batch_size=8)
+    plan, program, _, leaves = one_device_program("resnet-tiny", 0.8)
+    assert plan.recompute, "the limit should call for recomputation"
+    assert wrap_recompute(program, plan.recompute) > 0
+    regions = [m for m in program.modules() if isinstance(m, Recompute)]
+    assert regions and not any("copy_" in region.body.code for region in regions)
+    (out,) = program(*inputs)
+    out.float().pow(2).mean().backward()
+    reference(*inputs)  # its own buffers: one forward's update
+    state = dict(program.named_buffers())
+    for name, buffer in reference.named_buffers():
+        target = name.replace(".", "_")
+        found = [value for key, value in state.items() if key.endswith(target) or key == name]
+        assert found, name
+        torch.testing.assert_close(found[0], buffer, rtol=1e-5, atol=1e-7)
