@@ -19,7 +19,9 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from autopar_passes.strategies import pointwise, scatter
+from autopar_passes.strategies.combine import AxisChoice, combine, replicate_choice
 from autopar_passes.strategies.types import SAME, OpCall, Rule, Strategy
+from autopar_plans.placement import REPLICATE, Shard
 
 aten = torch.ops.aten
 
@@ -52,6 +54,18 @@ def copy_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
     return in_place(pointwise.additive_rule)(call, mesh_shape)
 
 
+def fill_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
+    """fill_(self, value): every element of ``self`` set to ``value`` (a number, or a tensor
+    of one element, replicated); ``self`` may be split any way, never partial (each summand
+    would hold the value)."""
+    n_in = len(call.inputs)
+    choices = [replicate_choice(n_in, 1)]
+    for dim in range(len(call.inputs[0].shape)):
+        inputs = (Shard(dim),) + (REPLICATE,) * (n_in - 1)
+        choices.append(AxisChoice(inputs, (Shard(dim),)))
+    return combine(choices, call, mesh_shape)
+
+
 def _in_place_variants(families: Iterable[Mapping[object, Rule]]) -> dict[object, Rule]:
     """``aten.add_.Tensor`` -> the rule of ``aten.add.Tensor``, for every op of
     ``families`` that has an in-place variant of the same overload."""
@@ -71,4 +85,6 @@ def _in_place_variants(families: Iterable[Mapping[object, Rule]]) -> dict[object
 RULES: dict[object, Rule] = {
     **_in_place_variants([pointwise.RULES, scatter.RULES]),
     aten.copy_.default: copy_rule,
+    aten.fill_.Tensor: fill_rule,
+    aten.fill_.Scalar: fill_rule,
 }

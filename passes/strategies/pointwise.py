@@ -430,6 +430,7 @@ NONLINEAR = (
     aten.sign.default, aten.tan.default, aten.atan.default, aten.atan2.default,
     aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_min.Tensor,
     aten.clamp_max.default, aten.clamp_max.Tensor, aten.minimum.default, aten.maximum.default,
+    aten.min.other, aten.max.other,
     aten.hardtanh.default, aten.leaky_relu.default, aten.elu.default, aten.softplus.default,
     aten.hardswish.default, aten.hardsigmoid.default, aten.mish.default,
     aten.div.Tensor_mode, aten.floor_divide.default, aten.floor_divide.Scalar,

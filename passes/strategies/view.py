@@ -10,7 +10,8 @@ op                                      dims that may stay sharded
 ======================================  ===================================================
 view, reshape, _unsafe_view             first dim of each group of dims of equal product
 unsqueeze, squeeze, flatten, unflatten  as view (squeeze runs ``squeeze.dims`` locally)
-t, transpose, permute                   every dim, moved
+t, transpose, permute, numpy_T          every dim, moved
+repeat_interleave (.self_int)           every dim (the repeated one's blocks hold their copies)
 expand                                  every dim that is not broadcast
 slice, narrow                           every dim but the cut one (slice: all, if it's whole)
 select                                  every dim but the selected one, shifted
@@ -205,6 +206,25 @@ def permute_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
     ndim = _ndim(call)
     order = [normalize_dim(d, ndim) for d in _arg(call, 1, "dims")]
     return _mapped(call, mesh_shape, {d: j for j, d in enumerate(order)})
+
+
+def repeat_interleave_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
+    """repeat_interleave.self_int(x, repeats, dim): each element of ``dim`` repeated in
+    place, so a block of ``dim`` gives the block of the output that holds its copies: every
+    dim keeps its shard (``dim`` too, unless the call fixes the global ``output_size``).
+    Without ``dim`` the input is flattened first: replicated."""
+    dim = _arg(call, 2, "dim")
+    if dim is None:
+        return _mapped(call, mesh_shape, {})
+    ndim = _ndim(call)
+    fixed = _arg(call, 3, "output_size") is not None
+    return _mapped(call, mesh_shape, _keep_all_but(ndim, [normalize_dim(dim, ndim)] * fixed))
+
+
+def numpy_t_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
+    """numpy_T (``x.T``): every dim reversed, each keeping its shard."""
+    ndim = _ndim(call)
+    return _mapped(call, mesh_shape, {d: ndim - 1 - d for d in range(ndim)})
 
 
 # ---------------------------------------------------------------------------- cuts
@@ -416,6 +436,8 @@ RULES: dict[object, Rule] = {
     aten.t.default: t_rule,
     aten.transpose.int: transpose_rule,
     aten.permute.default: permute_rule,
+    aten.numpy_T.default: numpy_t_rule,
+    aten.repeat_interleave.self_int: repeat_interleave_rule,
     aten.slice.Tensor: slice_rule,
     aten.narrow.default: narrow_rule,
     aten.select.int: select_rule,

@@ -31,6 +31,8 @@ CASES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "copy_-broadcast": (aten.copy_.default, (r(4, 8), r(8, seed=1))),
     "masked_fill_": (aten.masked_fill_.Scalar, (r(4, 8), r(4, 8, seed=1) > 0, 0.0)),
     "clamp_": (aten.clamp_.default, (r(4, 8), -0.5, 0.5)),
+    "fill_": (aten.fill_.Tensor, (r(4, 8), torch.tensor(2.5, dtype=torch.float64))),
+    "fill_-scalar": (aten.fill_.Scalar, (r(4, 8), -1.0)),
 }
 
 

@@ -150,6 +150,8 @@ CASES: list[Case] = [
     case("clamp_max", aten.clamp_max.default, X, 0.1),
     case("clamp_max.Tensor", aten.clamp_max.Tensor, X, COL),
     case("minimum", aten.minimum.default, X, ROW),
+    case("min.other", aten.min.other, X, ROW),
+    case("max.other", aten.max.other, X, Y),
     case("maximum", aten.maximum.default, X, COL),
     case("floor_divide", aten.floor_divide.default, X, POS),
     case("floor_divide.Scalar", aten.floor_divide.Scalar, X, 0.7),

@@ -119,6 +119,10 @@ CASES: dict[str, tuple[Any, Callable[[], tuple[Any, ...]]]] = {
     "roll": (aten.roll.default, lambda: (f(4, 8, 12), [1], [1])),
     "roll_neg": (aten.roll.default, lambda: (f(4, 8, 12), [1, 2], [0, -1])),
     "roll_flat": (aten.roll.default, lambda: (f(4, 12), [3])),
+    "numpy_T": (aten.numpy_T.default, lambda: (f(4, 8, 12),)),
+    "repeat_interleave": (aten.repeat_interleave.self_int, lambda: (f(4, 8, 12), 2, 1)),
+    "repeat_interleave_neg": (aten.repeat_interleave.self_int, lambda: (f(4, 8, 12), 3, -1)),
+    "repeat_interleave_flat": (aten.repeat_interleave.self_int, lambda: (f(4, 12), 2)),
 }
 
 
