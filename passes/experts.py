@@ -9,8 +9,11 @@ forced ``ep`` styles (``autopar.force``):
 
 an **expert matmul** is an einsum (or a batched ``bmm``/``matmul``) with a parameter operand
 one of whose dims is a batch dim of the product: its letter is in the other operand and in
-the output. That dim is the **expert dim**. The dispatch einsum ``gsec,gsd->egcd`` has the
-same shape of subscripts but no parameter operand, so it is not one.
+the output. That dim is the **expert dim**. A grouped matmul (transformers 5's experts,
+``autopar_passes.strategies.moe``) is one by what it is: its weight's dim 0 holds the
+experts, and its rows (sorted by expert) have no expert dim (``tokens_dim`` 0: the rows).
+The dispatch einsum ``gsec,gsd->egcd`` has the same shape of subscripts but no parameter
+operand, so it is not one.
 
 >>> expert_dims("egcd,edf->egcf", weight=1)
 (0, 0)
@@ -23,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar_passes.strategies.graph import NodeChoices
+from autopar_passes.strategies.moe import GROUPED_NAMES
 
 BATCHED = {"aten.bmm.default", "aten.matmul.default"}
 
@@ -57,9 +61,13 @@ def expert_dims(equation: str, weight: int) -> tuple[int, int] | None:
 def expert_matmul(choices: NodeChoices) -> ExpertMatmul | None:
     """The expert matmul ``choices`` stands for, or None (see the module docstring)."""
     call = choices.call
-    if call is None or choices.kind != "op" or len(choices.params) != 2:
+    if call is None or choices.kind != "op":
         return None
     target = str(call.target)
+    if target in GROUPED_NAMES:  # grouped_mm(rows, weight [E, d_in, d_out], offs)
+        return ExpertMatmul(weight=1, weight_dim=0, tokens=0, tokens_dim=0)
+    if len(choices.params) != 2:
+        return None
     for weight, name in enumerate(choices.params):
         if name is None:
             continue

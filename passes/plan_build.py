@@ -20,6 +20,7 @@ from autopar_passes.problem import is_regathered
 from autopar_passes.recompute import chosen_layers
 from autopar_passes.solve import Solved
 from autopar_passes.strategies.graph import NodeChoices
+from autopar_passes.strategies.moe import GROUPED_NAMES
 from autopar_passes.trace import TracedModel
 from autopar_plans.mesh import MeshSpec
 from autopar_plans.placement import REPLICATE, Layout, Replicate, Shard
@@ -33,7 +34,7 @@ from autopar_plans.plan import (
     RecomputeRegion,
 )
 
-ADDED_FIRST = {"aten.addmm.default", "aten.baddbmm.default"}
+ADDED_FIRST = {"aten.addmm.default", "aten.baddbmm.default"}  # (bias, activation, weight)
 MATMULS = {
     "aten.linear.default",
     "aten.mm.default",
@@ -42,6 +43,7 @@ MATMULS = {
     "aten.matmul.default",
     "aten.baddbmm.default",
     "aten.einsum.default",
+    *GROUPED_NAMES,  # the experts' grouped matmuls (``autopar_passes.strategies.moe``)
 }
 
 

@@ -26,7 +26,7 @@ import torch
 
 from autopar_passes.annotation import META_KEY, NodeAnnotation, TensorInfo
 from autopar_passes.strategies.inplace import mutates_first_input
-from autopar_passes.strategies.table import rules
+from autopar_passes.strategies.table import rule_for
 from autopar_passes.strategies.types import OpCall, Strategy, replicate_all
 from autopar_plans.placement import REPLICATE, Layout, Placement, Shard
 
@@ -105,7 +105,6 @@ def graph_choices(
     choices: dict[str, NodeChoices] = {}
     warnings: list[str] = []
     unknown: dict[str, int] = {}
-    table = rules()
     replicated = Layout.replicated(len(mesh_shape))
     made: dict[tuple[object, ...], list[Strategy]] = {}
     for node in graph.nodes:
@@ -141,7 +140,7 @@ def graph_choices(
             )
             continue
         call = op_call(node)
-        rule = table.get(node.target)
+        rule = rule_for(node.target)
         key = (str(node.target), repr(call.args), repr(call.kwargs), call.outputs)
         if key not in made:  # identical layers repeat identical calls: one rule call each
             made[key] = list(rule(call, mesh_shape)) if rule is not None else []
@@ -181,9 +180,15 @@ def _mutating_held_state(
 
 
 def _param_of(choices: NodeChoices | None) -> str | None:
-    if choices is None or choices.kind != "param" or choices.note is None:
+    """The parameter a tensor input is: a parameter placeholder, or a view of one (a
+    transformers-5 expert weight reaches its grouped matmul transposed)."""
+    if choices is None or choices.note is None:
         return None
-    return choices.note.param
+    if choices.kind == "param":
+        return choices.note.param
+    if choices.kind == "op" and choices.note.kind == "view" and len(choices.params) == 1:
+        return choices.params[0]
+    return None
 
 
 def storage_layouts(info: TensorInfo, mesh_shape: tuple[int, ...]) -> list[Layout]:

@@ -18,6 +18,7 @@ from autopar_passes.strategies import (
     inplace,
     loss,
     matmul,
+    moe,
     norm,
     pointwise,
     pool,
@@ -39,6 +40,7 @@ FAMILIES = (
     embedding,
     loss,
     scatter,
+    moe,
     inplace,
 )
 
@@ -53,6 +55,18 @@ def rules() -> Mapping[object, Rule]:
                 raise ValueError(f"{op} has rules in two families")
             merged[op] = rule
     return MappingProxyType(merged)
+
+
+def rule_for(target: object) -> Rule | None:
+    """The rule of ``target``: by the op itself, or by its name for a custom op a library
+    registers (``transformers.grouped_mm_fallback``), which may come after the table."""
+    found = rules().get(target)
+    if found is None:
+        for family in FAMILIES:
+            found = getattr(family, "NAMED_RULES", {}).get(str(target))
+            if found is not None:
+                break
+    return found
 
 
 @cache

@@ -83,7 +83,7 @@ def test_a_recomputed_batch_norm_updates_its_running_statistics_once():
     one forward's, as on a model that recomputes nothing."""
     torch.manual_seed(0)
     reference, inputs = build("resnet-tiny", batch_size=8)
-    plan, program, _, leaves = one_device_program("resnet-tiny", 0.8)
+    plan, program, _, _ = one_device_program("resnet-tiny", 0.8)
     assert plan.recompute, "the limit should call for recomputation"
     assert wrap_recompute(program, plan.recompute) > 0
     regions = [m for m in program.modules() if isinstance(m, Recompute)]
