@@ -56,3 +56,20 @@ def test_the_grouped_matmul_offers_expert_and_row_parallelism() -> None:
     assert "S(0),R,R->S(0)" in names  # the sorted rows split, every expert everywhere
     assert "R,S(2),R->S(1)" in names  # the output features split
     assert not any(name.split(",")[2].startswith("S") for name in names)  # offs whole
+
+
+def test_a_grouped_matmul_costs_what_its_rows_multiply() -> None:
+    """Each row meets one expert's matrix: 2 S d_in d_out FLOPs forward, twice that
+    backward (torch's counter has no formula for either op, so experts were free)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from autopar_cost_model.flops import cpu_flash_flop_mapping
+
+    x, w, offs = CASES["grouped"][1]
+    x, w = x.float().requires_grad_(), w.float().requires_grad_()
+    with FlopCounterMode(display=False, custom_mapping=cpu_flash_flop_mapping()) as forward:
+        out = GROUPED(x, w, offs)
+    with FlopCounterMode(display=False, custom_mapping=cpu_flash_flop_mapping()) as backward:
+        out.sum().backward()
+    assert forward.get_total_flops() == 2 * 16 * 8 * 12
+    assert backward.get_total_flops() == 2 * forward.get_total_flops()
