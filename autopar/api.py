@@ -86,7 +86,8 @@ def _plan(
     if not isinstance(mesh, MeshSpec):
         raise UsageError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
     preset = load_preset(mesh.device)
-    traced = trace(model, example_inputs, example_kwargs)
+    groups = options.batch_norm_groups(mesh)
+    traced = trace(model, example_inputs, example_kwargs, batch_norm_groups=groups)
     hinted = apply_hints(options.hints, traced, mesh, options)  # checked before solving
     batch = _batch_size(traced)
     global_batch = options.global_batch or batch
@@ -124,9 +125,13 @@ def _plan(
             model,
             microbatch_inputs(tuple(example_inputs), batch, size),
             microbatch_inputs(example_kwargs or {}, batch, size),
+            batch_norm_groups=groups,
         ),
     )
-    return hinted.plan(traced, pipeline), traced
+    made = hinted.plan(traced, pipeline)
+    if groups > 1:
+        made = made.model_copy(update={"batch_norm_groups": groups})
+    return made, traced
 
 
 def _constraints(
@@ -338,6 +343,7 @@ def _build(
             model,
             microbatch_inputs(args, batch, chosen.microbatch_size),
             microbatch_inputs(example_kwargs, batch, chosen.microbatch_size),
+            batch_norm_groups=chosen.batch_norm_groups,
         )
     if chosen.parallelism.pp > 1:
         device_mesh = pipeline_mesh(chosen, device.type)

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from autopar_plans.errors import UsageError
 from autopar_plans.io import describe_validation_error
+from autopar_plans.mesh import MeshSpec
 
 
 class PlanOptions(BaseModel):
@@ -32,6 +33,12 @@ class PlanOptions(BaseModel):
         "default: the fastest that fits the memory limit (ties to the lower stage).",
     )
     time_limit: float = Field(60.0, gt=0, description="Solver seconds.")
+    batch_norm: Literal["sync", "per_device"] = Field(
+        "sync",
+        description="Training batch norms' statistics: 'sync' over the whole batch however "
+        "it is split (SyncBatchNorm; equal to one device), 'per_device' over each device's "
+        "slice of it (DDP's default: the batch in as many slices as the mesh has devices).",
+    )
     stages: int | None = Field(None, ge=1, description="Pipeline stages (default: searched).")
     schedule: Literal["gpipe", "1f1b", "interleaved"] | None = Field(
         None, description="Pipeline schedule (default: searched)."
@@ -46,6 +53,10 @@ class PlanOptions(BaseModel):
         description="A hint file (path), its parsed mapping or plans.Hints: constraints "
         "the solver plans around (docs/hints.md).",
     )
+
+    def batch_norm_groups(self, mesh: MeshSpec) -> int:
+        """How many slices of the batch a training batch norm takes statistics over."""
+        return mesh.size if self.batch_norm == "per_device" else 1
 
     @classmethod
     def of(cls, options: dict[str, Any]) -> PlanOptions:

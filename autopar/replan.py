@@ -35,7 +35,7 @@ LOG = logging.getLogger("autopar")
 # no pipeline; the ZeRO stage pinned). Not a forced style or hints: the pinned parameters
 # are what they decided that a call must keep, and what they ask of activations may not
 # fit another shape (data parallelism over 4 devices splits no batch of 3)
-KEPT_OPTIONS = ("memory_limit", "optimizer", "precision", "time_limit", "name")
+KEPT_OPTIONS = ("memory_limit", "optimizer", "precision", "time_limit", "name", "batch_norm")
 
 
 def skeleton(model: nn.Module) -> nn.Module | None:
@@ -106,7 +106,7 @@ class CallPlanner:
         LOG.info("planning a call of %s (training=%s), the parameters in place", shapes, training)
         plan, traced = plan_on_rank0(self.skeleton, self.mesh, args, kwargs, options, self.pinned)
         if traced is None:  # not rank 0: trace the call for the lowering
-            traced = trace(self.skeleton, args, kwargs)
+            traced = trace(self.skeleton, args, kwargs, batch_norm_groups=plan.batch_norm_groups)
         return plan, traced
 
 

@@ -16,8 +16,18 @@ them ``Partial`` and the lowering sums them over the devices (one all-reduce of 
     running_var.copy_(running_var * (1 - momentum) + detach(var) * n / (n - 1) * momentum)
 
 The running statistics are updated from the same whole-batch values on every device, so a
-replicated buffer stays the same everywhere (DDP instead normalizes each device's slice
-with its own statistics and copies rank 0's buffers over the others').
+replicated buffer stays the same everywhere.
+
+Per-device statistics (``groups`` > 1, the plan option ``batch_norm="per_device"``) are
+DDP's default: each device normalizes its slice of the batch with that slice's statistics,
+and before each forward DDP copies rank 0's running statistics over the others'. Written
+out, the batch is viewed as ``groups`` consecutive slices, ``[G, N/G, C, ...]``, and the
+sums run over all but the slice and the channel, giving ``[G, C]`` statistics; when the
+plan splits the batch over G devices each device holds its slice and its statistics, and
+nothing crosses devices. The running statistics are updated from slice 0's, which is what
+DDP's buffers hold once rank 0's are copied over. On one device the same graph is "ghost"
+batch normalization (Hoffer et al. 2017), so the plan stays equal to single-device
+training of that graph.
 
 Two passes over ``x`` (the mean, then the centered squares), as the reference kernels
 take, not ``E[x^2] - E[x]^2``, which loses precision when the mean is large. Runs with the
@@ -34,19 +44,21 @@ import torch
 from torch.fx import GraphModule, Node
 
 from autopar_passes.graph_edit import copy_meta, set_val
+from autopar_plans.errors import UsageError
 
 aten = torch.ops.aten
 
 
-def decompose_batch_norms(graph_module: GraphModule) -> int:
-    """Write out every training-mode ``batch_norm`` (see the module docstring); returns how
-    many were."""
+def decompose_batch_norms(graph_module: GraphModule, groups: int = 1) -> int:
+    """Write out every training-mode ``batch_norm`` (see the module docstring), its
+    statistics over each of ``groups`` consecutive slices of the batch; returns how many
+    were."""
     count = 0
     for node in list(graph_module.graph.nodes):
         if node.op == "call_function" and node.target == aten.batch_norm.default:
             bound = _bound(node)
             if bound["training"] and _writable(bound):
-                _write_out(graph_module, node, bound)
+                _write_out(graph_module, node, bound, groups)
                 count += 1
     return count
 
@@ -70,14 +82,25 @@ def _writable(bound: dict[str, Any]) -> bool:
     )
 
 
-def _write_out(graph_module: GraphModule, node: Node, bound: dict[str, Any]) -> None:
+def _write_out(graph_module: GraphModule, node: Node, bound: dict[str, Any], groups: int) -> None:
     graph = graph_module.graph
     x: Node = bound["input"]
     value: torch.Tensor = x.meta["val"]
-    channels = int(value.shape[1])
-    dims = [0, *range(2, value.dim())]
-    n = math.prod(int(s) for i, s in enumerate(value.shape) if i != 1)
-    broadcast = [1, channels] + [1] * (value.dim() - 2)
+    shape = [int(size) for size in value.shape]
+    if shape[0] % groups:
+        raise UsageError(
+            f"batch norm {node.name}: per-device statistics take the batch in {groups} "
+            f"slices, one a device, but its batch is {shape[0]}; pass a batch that is a "
+            f"multiple of {groups}, or batch_norm='sync'"
+        )
+    channels = shape[1]
+    n = math.prod(shape) // channels // groups
+    affine = [1, channels] + [1] * (len(shape) - 2)
+    # statistics of each slice: the batch viewed as [G, N/G, C, ...], sums over all dims
+    # but the slice and the channel; one slice (SyncBatchNorm's whole batch) needs no view
+    sliced = [groups, shape[0] // groups, *shape[1:]] if groups > 1 else shape
+    dims = [int(groups > 1), *range(2 + int(groups > 1), len(sliced))]
+    broadcast = [groups, *affine] if groups > 1 else affine
 
     def add(op: Any, *args: Any, name: str = "", **kwargs: Any) -> Node:
         new = graph.create_node("call_function", op, args, kwargs, name=name or None)
@@ -85,33 +108,39 @@ def _write_out(graph_module: GraphModule, node: Node, bound: dict[str, Any]) -> 
         set_val(new)
         return new
 
-    def per_channel(vector: Node, like: Node) -> Node:
-        """``vector`` [C] as [1, C, 1, ...], in ``like``'s dtype."""
-        return add(aten.view.default, add(aten.type_as.default, vector, like), broadcast)
+    def per_channel(vector: Node, like: Node, to: list[int]) -> Node:
+        """``vector`` ([G, C] or [C]) viewed ``to`` broadcast, in ``like``'s dtype."""
+        return add(aten.view.default, add(aten.type_as.default, vector, like), to)
 
     with graph.inserting_before(node):
         # statistics accumulate in fp32 whatever the input's dtype at run time (bf16 under
         # autocast), as the reference kernels do; per-channel tensors are cast to the
         # input's dtype where they meet it (``type_as``), so the output keeps that dtype
         acc = torch.float64 if value.dtype == torch.float64 else torch.float32
-        total = add(aten.sum.dim_IntList, x, dims, name=f"{node.name}_sum", dtype=acc)
-        mean = add(aten.div.Scalar, total, n, name=f"{node.name}_mean")
-        centered = add(aten.sub.Tensor, x, per_channel(mean, x))
+        xs = add(aten.view.default, x, sliced) if groups > 1 else x
+        total = add(aten.sum.dim_IntList, xs, dims, name=f"{node.name}_sum", dtype=acc)
+        mean = add(aten.div.Scalar, total, n, name=f"{node.name}_mean")  # [G, C]
+        centered = add(aten.sub.Tensor, xs, per_channel(mean, x, broadcast))
         squares = add(aten.mul.Tensor, centered, centered)
         var = add(aten.div.Scalar, add(aten.sum.dim_IntList, squares, dims, dtype=acc), n)
         invstd = add(aten.rsqrt.default, add(aten.add.Scalar, var, float(bound["eps"])))
         # the last step is the node itself: it keeps its name, which the signature may hold
-        last: tuple[Any, Node, Node] = (aten.mul.Tensor, centered, per_channel(invstd, x))
+        last: tuple[Any, ...] = (aten.mul.Tensor, centered, per_channel(invstd, x, broadcast))
+        if groups > 1:
+            last = (aten.view.default, add(*last), shape)
         for op, role in ((aten.mul.Tensor, "weight"), (aten.add.Tensor, "bias")):
             if bound.get(role) is not None:
-                last = (op, add(*last), per_channel(bound[role], x))
+                last = (op, add(*last), per_channel(bound[role], x, affine))
         running_mean, running_var = bound.get("running_mean"), bound.get("running_var")
         if running_mean is not None and running_var is not None:
             momentum = float(bound["momentum"])
             unbiased = n / max(n - 1, 1)
             for running, batch, scale in ((running_mean, mean, 1.0), (running_var, var, unbiased)):
+                first = add(aten.detach.default, batch)
+                if groups > 1:
+                    first = add(aten.select.int, first, 0, 0)  # slice 0's, as DDP keeps
                 kept = add(aten.mul.Scalar, running, 1.0 - momentum)
-                fresh = add(aten.mul.Scalar, add(aten.detach.default, batch), momentum * scale)
+                fresh = add(aten.mul.Scalar, first, momentum * scale)
                 add(aten.copy_.default, running, add(aten.add.Tensor, kept, fresh))
     node.target, node.args, node.kwargs = last[0], last[1:], {}
     set_val(node)

@@ -49,12 +49,12 @@ MEAN, SUM = 1, 2  # torch's Reduction enum
 _CLASS_LOSSES = (aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default)
 
 
-def decompose_for_sharding(graph_module: GraphModule) -> int:
+def decompose_for_sharding(graph_module: GraphModule, batch_norm_groups: int = 1) -> int:
     """Rewrite every mean-reduced class-index cross-entropy (and nll_loss) in place into a
     sum-reduced loss divided by the count of targets kept, and write out every
-    training-mode batch norm (``autopar_passes.batch_norm``). Returns how many were
-    rewritten."""
-    count = decompose_batch_norms(graph_module)
+    training-mode batch norm (``autopar_passes.batch_norm``, statistics over each of
+    ``batch_norm_groups`` slices of the batch). Returns how many were rewritten."""
+    count = decompose_batch_norms(graph_module, batch_norm_groups)
     for node in list(graph_module.graph.nodes):
         if (
             node.op == "call_function"

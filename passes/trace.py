@@ -136,9 +136,13 @@ def trace(
     model: nn.Module,
     example_inputs: Sequence[Any],
     example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    batch_norm_groups: int = 1,
 ) -> TracedModel:
     """Export ``model`` on its example inputs and annotate every node.
 
+    Training batch norms take their statistics over each of ``batch_norm_groups``
+    consecutive slices of the batch (``autopar_passes.batch_norm``; 1: the whole batch).
     Inputs on another device than a ``meta`` model are moved to ``meta``. Raises
     ``UsageError`` when the inputs do not fit ``forward`` and ``UntraceableModelError`` when
     the model's code cannot be traced.
@@ -155,7 +159,7 @@ def trace(
     start = time.perf_counter()
     exported = _export(model, args, kwargs)
     _check_static_shapes(exported.graph_module.graph)
-    decompose_for_sharding(exported.graph_module)
+    decompose_for_sharding(exported.graph_module, batch_norm_groups)
     signature = exported.graph_signature
     names_of = _tied_names(model)
     reshaped = expose_fused_projections(

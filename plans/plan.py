@@ -195,6 +195,13 @@ class Plan(_Frozen):
     optimizer: str = "adamw"
     precision: str = "fp32"
     memory_limit_bytes: float | None = None
+    batch_norm_groups: int = Field(
+        1,
+        ge=1,
+        description="Training batch norms take their statistics over each of this many "
+        "slices of the batch: 1 the whole batch (SyncBatchNorm), the devices' count each "
+        "device's slice (DDP's default; the option batch_norm='per_device').",
+    )
     parallelism: Parallelism
     estimate: Estimate
     stage_mesh: MeshSpec | None = Field(

@@ -308,7 +308,10 @@ def hf_auto(model_type: str, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     config.use_cache = False
     if kind == "images":
         config.num_labels = CLASSES
-    if getattr(config, "is_encoder_decoder", False) and config.decoder_start_token_id is None:
+    if (
+        getattr(config, "is_encoder_decoder", False)
+        and getattr(config, "decoder_start_token_id", None) is None
+    ):
         config.decoder_start_token_id = 0
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config)
