@@ -117,20 +117,28 @@ def _write_out(graph_module: GraphModule, node: Node, bound: dict[str, Any], gro
         # autocast), as the reference kernels do; per-channel tensors are cast to the
         # input's dtype where they meet it (``type_as``), so the output keeps that dtype
         acc = torch.float64 if value.dtype == torch.float64 else torch.float32
+        # x's dtype at run time, carried by an empty scalar: ``type_as(v, x)`` would need x
+        # itself whole on every device (a rule cannot know that only its dtype is read),
+        # while ``new_empty`` takes x in any layout
+        dtype_of_x = add(aten.new_empty.default, x, [])
         xs = add(aten.view.default, x, sliced) if groups > 1 else x
         total = add(aten.sum.dim_IntList, xs, dims, name=f"{node.name}_sum", dtype=acc)
         mean = add(aten.div.Scalar, total, n, name=f"{node.name}_mean")  # [G, C]
-        centered = add(aten.sub.Tensor, xs, per_channel(mean, x, broadcast))
+        centered = add(aten.sub.Tensor, xs, per_channel(mean, dtype_of_x, broadcast))
         squares = add(aten.mul.Tensor, centered, centered)
         var = add(aten.div.Scalar, add(aten.sum.dim_IntList, squares, dims, dtype=acc), n)
         invstd = add(aten.rsqrt.default, add(aten.add.Scalar, var, float(bound["eps"])))
         # the last step is the node itself: it keeps its name, which the signature may hold
-        last: tuple[Any, ...] = (aten.mul.Tensor, centered, per_channel(invstd, x, broadcast))
+        last: tuple[Any, ...] = (
+            aten.mul.Tensor,
+            centered,
+            per_channel(invstd, dtype_of_x, broadcast),
+        )
         if groups > 1:
             last = (aten.view.default, add(*last), shape)
         for op, role in ((aten.mul.Tensor, "weight"), (aten.add.Tensor, "bias")):
             if bound.get(role) is not None:
-                last = (op, add(*last), per_channel(bound[role], x, affine))
+                last = (op, add(*last), per_channel(bound[role], dtype_of_x, affine))
         running_mean, running_var = bound.get("running_mean"), bound.get("running_var")
         if running_mean is not None and running_var is not None:
             momentum = float(bound["momentum"])
