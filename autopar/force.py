@@ -10,6 +10,8 @@ tensor-parallel one (by default the last axis is ``tp`` and the others ``dp``).
   batch-sharded too (a batched matmul of two activations, as in attention). In an einsum
   the batch is the letter its activations and output share and no weight has
   (``batch_dims``: GShard's group, in a mixture of experts).
+  A convolution likewise takes its image batch-sharded over every axis and its weight
+  replicated (``dp`` and ``fsdp``; the other styles leave convolutions to the solver).
 - ``fsdp``: every parameter that can be sharded is stored sharded on the data axes (ZeRO-3)
   and matmuls take the batch sharded on them.
 - ``tp``: matmul weights stored and used split on the tp axis (Megatron's column and row
@@ -36,6 +38,7 @@ from __future__ import annotations
 from autopar_passes.experts import expert_matmul
 from autopar_passes.plan_build import ADDED_FIRST, MATMULS, is_residual_add
 from autopar_passes.solve import Constraint
+from autopar_passes.strategies import conv
 from autopar_passes.strategies.graph import NodeChoices
 from autopar_passes.strategies.types import Strategy
 from autopar_plans.errors import UsageError
@@ -43,6 +46,7 @@ from autopar_plans.mesh import MeshSpec
 from autopar_plans.placement import Layout, Replicate, Shard
 
 STYLES = ("dp", "fsdp", "tp", "tp+sp", "ep", "ep+tp")
+CONVOLUTIONS = frozenset(str(op) for op in conv.RULES)
 
 
 def style_constraints(style: str, mesh: MeshSpec, tp_axis: int | None = None) -> list[Constraint]:
@@ -78,6 +82,11 @@ def style_constraints(style: str, mesh: MeshSpec, tp_axis: int | None = None) ->
             return on_dp
         if note is None or choices.kind != "op":
             return True
+        if note.op in CONVOLUTIONS and style in ("dp", "fsdp") and strategy.inputs:
+            image, *rest = strategy.inputs
+            return all(image[a] == Shard(0) for a in axes) and all(
+                layout.is_replicated for layout in rest
+            )
         if note.op in MATMULS and strategy.inputs:
             act = 1 if note.op in ADDED_FIRST else 0  # addmm: (bias, activation, weight)
             if node not in batches:
