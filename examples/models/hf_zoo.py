@@ -316,3 +316,24 @@ def hf_auto(model_type: str, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config)
     return model, example_inputs(kind, seed)
+
+
+def in_float64(model: nn.Module) -> nn.Module:
+    """A float64 copy, to measure the fp32 roundoff of a step (``autopar.testing.
+    closeness``); experts run by their plain loop (torch's grouped matmul has no float64
+    kernel)."""
+    import copy
+
+    exact = copy.deepcopy(model).double()
+    config = getattr(exact, "config", None)
+    if config is not None and hasattr(config, "_experts_implementation"):
+        config._experts_implementation = "eager"
+    return exact
+
+
+def double_inputs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The inputs with float tensors in float64."""
+    return {
+        k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
+        for k, v in kwargs.items()
+    }

@@ -15,26 +15,13 @@ from typing import Any
 import torch
 
 import autopar
-from autopar_examples.models.hf_zoo import hf_tiny
+from autopar_examples.models.hf_zoo import double_inputs, hf_tiny, in_float64
 
 
 def _step(model: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     loss = model(**kwargs).loss
     loss.backward()
     return float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}
-
-
-def _double(kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.double() if v.is_floating_point() else v for k, v in kwargs.items()}
-
-
-def _in_float64(model: torch.nn.Module) -> torch.nn.Module:
-    """A float64 copy; experts run by their plain loop (torch's grouped matmul has no
-    float64 kernel)."""
-    exact = copy.deepcopy(model).double()
-    if hasattr(exact.config, "_experts_implementation"):
-        exact.config._experts_implementation = "eager"
-    return exact
 
 
 def compare_zoo(
@@ -48,7 +35,7 @@ def compare_zoo(
         reference = copy.deepcopy(model)
         ref_loss, ref_grads = _step(reference, kwargs)
         exact_loss, exact_grads = (
-            _step(_in_float64(model), _double(kwargs)) if rank == 0 else (0.0, {})
+            _step(in_float64(model), double_inputs(kwargs)) if rank == 0 else (0.0, {})
         )
         compiled = autopar.compile(model, mesh, example_kwargs=kwargs, force=style)
         loss = compiled(**kwargs).loss
