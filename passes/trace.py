@@ -38,6 +38,7 @@ from autopar_passes.annotation import META_KEY, NodeAnnotation, NodeKind, Tensor
 from autopar_passes.decompose import decompose_for_sharding
 from autopar_passes.expose import expose_fused_projections
 from autopar_passes.layers import LayerContainer, find_layer_container, module_path
+from autopar_passes.strategies.inplace import mutates_first_input
 from autopar_plans.errors import UntraceableModelError, UsageError
 
 
@@ -159,6 +160,7 @@ def trace(
     start = time.perf_counter()
     exported = _export(model, args, kwargs)
     _check_static_shapes(exported.graph_module.graph)
+    _refuse_writes_into_inputs(exported)
     decompose_for_sharding(exported.graph_module, batch_norm_groups)
     signature = exported.graph_signature
     names_of = _tied_names(model)
@@ -283,6 +285,37 @@ def _tied_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
     for name, param in model.named_parameters(remove_duplicate=False):
         by_tensor.setdefault(id(param), []).append(name)
     return {name: tuple(names) for names in by_tensor.values() for name in names}
+
+
+def _refuse_writes_into_inputs(exported: torch.export.ExportedProgram) -> None:
+    """An in-place op on a user input (or a view of one) is refused: each device holds its
+    own copy or piece of an input, and no write would reach the caller's tensor, which
+    eager code changes."""
+    inputs = set(exported.graph_signature.user_inputs)
+    for node in exported.graph_module.graph.nodes:
+        if node.op != "call_function" or not mutates_first_input(node.target):
+            continue
+        written = _aliased_root(node.args[0]) if node.args else None
+        if written is not None and written.op == "placeholder" and written.name in inputs:
+            where = module_path(node) or "the model's own forward"
+            raise UsageError(
+                f"the model writes into its input {written.name!r} in place "
+                f"({node.target} in {where}); autopar gives each device its own copy or "
+                "piece of an input, so the caller's tensor would not change as it does "
+                "eagerly: write the op out of place (x = x * 2, not x.mul_(2)) or clone "
+                "the input first"
+            )
+
+
+def _aliased_root(value: Any) -> torch.fx.Node | None:
+    """The tensor ``value`` is a view of (itself when it is no view)."""
+    while isinstance(value, torch.fx.Node) and value.op == "call_function":
+        schema = getattr(value.target, "_schema", None)
+        returns = schema.returns if schema is not None else ()
+        if not returns or returns[0].alias_info is None or not value.args:
+            break
+        value = value.args[0]
+    return value if isinstance(value, torch.fx.Node) else None
 
 
 def _export(

@@ -209,3 +209,30 @@ def test_a_model_traced_under_no_grad_is_traced_for_training():
         without = trace(model, inputs)
     assert without.graph_module.code == with_grad.graph_module.code
     assert sum(n.bwd_flops for n in without.annotations().values()) > 0
+
+
+class _WritesItsInput(nn.Module):
+    def __init__(self, through_a_view: bool) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.through_a_view = through_a_view
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (x[:, :4] if self.through_a_view else x).mul_(2)
+        return self.proj(x)
+
+
+@pytest.mark.parametrize("through_a_view", [False, True])
+def test_a_model_writing_into_its_input_is_refused_plainly(through_a_view: bool) -> None:
+    with pytest.raises(UsageError, match=r"writes into its input 'x' in place \(aten.mul_"):
+        trace(_WritesItsInput(through_a_view), (torch.randn(4, 8),))
+
+
+def test_a_model_writing_into_its_own_copy_traces() -> None:
+    class CopiesFirst(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x.clone()
+            y.mul_(2)
+            return y
+
+    assert trace(CopiesFirst(), (torch.randn(4, 8),)).graph
