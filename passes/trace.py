@@ -37,6 +37,7 @@ from autopar_passes.annotate import annotate_graph
 from autopar_passes.annotation import META_KEY, NodeAnnotation, NodeKind, TensorInfo
 from autopar_passes.decompose import decompose_for_sharding
 from autopar_passes.expose import expose_fused_projections
+from autopar_passes.functionalize import view_chain
 from autopar_passes.layers import LayerContainer, find_layer_container, module_path
 from autopar_passes.strategies.inplace import mutates_first_input
 from autopar_plans.errors import UntraceableModelError, UsageError
@@ -295,8 +296,13 @@ def _refuse_writes_into_inputs(exported: torch.export.ExportedProgram) -> None:
     for node in exported.graph_module.graph.nodes:
         if node.op != "call_function" or not mutates_first_input(node.target):
             continue
-        written = _aliased_root(node.args[0]) if node.args else None
-        if written is not None and written.op == "placeholder" and written.name in inputs:
+        chain = view_chain(node.args[0]) if node.args else []
+        written = chain[-1].args[0] if chain else (node.args[0] if node.args else None)
+        if (
+            isinstance(written, torch.fx.Node)
+            and written.op == "placeholder"
+            and written.name in inputs
+        ):
             where = module_path(node) or "the model's own forward"
             raise UsageError(
                 f"the model writes into its input {written.name!r} in place "
@@ -305,17 +311,6 @@ def _refuse_writes_into_inputs(exported: torch.export.ExportedProgram) -> None:
                 "eagerly: write the op out of place (x = x * 2, not x.mul_(2)) or clone "
                 "the input first"
             )
-
-
-def _aliased_root(value: Any) -> torch.fx.Node | None:
-    """The tensor ``value`` is a view of (itself when it is no view)."""
-    while isinstance(value, torch.fx.Node) and value.op == "call_function":
-        schema = getattr(value.target, "_schema", None)
-        returns = schema.returns if schema is not None else ()
-        if not returns or returns[0].alias_info is None or not value.args:
-            break
-        value = value.args[0]
-    return value if isinstance(value, torch.fx.Node) else None
 
 
 def _export(

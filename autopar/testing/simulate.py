@@ -198,6 +198,25 @@ def first_mismatch(
     return None
 
 
+def simulated_value(
+    traced: TracedModel,
+    plan: Plan,
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    node: str,
+) -> torch.Tensor | None:
+    """Node ``node``'s pieces on every simulated device, reassembled by its layout (None
+    when a device has none). Unlike ``first_mismatch``, which compares every node, this
+    reads one: a tensor written in place later holds its final value, not its own."""
+    records = simulate(traced, plan, model, inputs)
+    mesh = plan.stage_mesh or plan.mesh
+    layout = PlanLayouts(traced, plan).layout(node)
+    pieces = {coords: record.get(node) for coords, record in records.items()}
+    if any(not isinstance(p, torch.Tensor) for p in pieces.values()):
+        return None
+    return _assemble(pieces, layout, mesh.shape, ())
+
+
 def _assemble(
     pieces: dict[tuple[int, ...], torch.Tensor],
     layout: Layout,

@@ -56,3 +56,21 @@ def test_in_place_ops_are_told_from_their_out_of_place_ones() -> None:
     assert mutates_first_input(aten.add_.Tensor) and mutates_first_input(aten.copy_.default)
     assert not mutates_first_input(aten.add.Tensor)
     assert not mutates_first_input(aten.view.default)  # an alias, not a write
+
+
+WRITES = {  # the functional forms of writes through views (``autopar_passes.functionalize``)
+    "slice_scatter": (aten.slice_scatter.default, (r(4, 8), r(4, 4, seed=1), 1, 0, 4, 1)),
+    "slice_scatter-rows": (aten.slice_scatter.default, (r(4, 8), r(2, 8, seed=1), 0, 1, 3, 1)),
+    "select_scatter": (aten.select_scatter.default, (r(4, 8), r(4, seed=1), 1, 2)),
+    "select_scatter-3d": (aten.select_scatter.default, (r(4, 8, 2), r(8, 2, seed=1), 0, 1)),
+    "fill": (aten.fill.Scalar, (r(4, 8), 2.0)),
+}
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=str)
+@pytest.mark.parametrize("case", list(WRITES))
+def test_functional_writes_match_the_op_on_one_device(case: str, mesh: tuple[int, ...]) -> None:
+    target, args = WRITES[case]
+    strategies, failures = check_rule(RULES[target], target, args, mesh_shape=mesh)
+    assert len(strategies) > 2
+    assert not failures, describe_failures(failures)
