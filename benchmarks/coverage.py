@@ -3,10 +3,11 @@ small config (no download), traced, planned and run on a 2x2 CPU mesh.
 
     python -m benchmarks.coverage                   # all; writes RESULTS and docs/coverage.md
     python -m benchmarks.coverage --only llama t5   # some; the others as last recorded
+    python -m benchmarks.coverage --resume          # those not recorded yet
     python -m benchmarks.coverage --render          # docs/coverage.md from the record
 
-Per architecture, in its own process (a memory cap of ``MEMORY`` and a time limit of
-``SECONDS``, so one that blows up is a row, not a crash): built with
+Per architecture, in a worker process (a memory cap of ``MEMORY`` and a time limit of
+``SECONDS``, so one that blows up is a row, not a crash; ``Worker``): built with
 ``autopar_examples.models.hf_zoo.hf_auto`` (its config's size fields small), one eager
 training step, ``autopar.trace``, ``autopar.plan`` on a 2x2 mesh (the ops without a sharding
 rule are those its warnings name), then one training step compiled on 4 gloo ranks with the
@@ -23,13 +24,15 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import importlib
 import json
+import multiprocessing
 import re
 import resource
-import subprocess
-import sys
 import time
 import warnings
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "cpu" / "coverage.json"
 REPORT = ROOT / "docs" / "coverage.md"
 MEMORY = 6 * 2**30
 SECONDS = 300
+ROWS_PER_WORKER = 25
 MAX_PARAMETERS = 20_000_000
 RELATIVE = 1e-4
 STAGES = ("built", "eager", "traced", "planned", "equal")
@@ -149,36 +153,66 @@ def sweep_one(model_type: str) -> dict[str, Any]:
     except Exception as error:  # a row says what failed, whatever it was
         message = str(error).strip().splitlines()
         row["failed"] = stage
-        row["why"] = f"{type(error).__name__}: {message[0][:200] if message else ''}"
+        said = message[0] if message else ""
+        if len(message) > 1:  # a rank's traceback: its last line is the error
+            said += " ... " + message[-1].strip()
+        row["why"] = f"{type(error).__name__}: {said[:300]}"
         row["reached"] = STAGES[STAGES.index(stage) - 1] if stage != "built" else None
     return row
 
 
-def run_isolated(model_type: str) -> dict[str, Any]:
-    """``sweep_one`` in a child process under ``MEMORY`` and ``SECONDS``."""
+def _serve(connection: Connection) -> None:
+    """A worker: under the memory cap, sweeps each architecture it is sent."""
+    resource.setrlimit(resource.RLIMIT_DATA, (MEMORY, MEMORY))
+    warnings.simplefilter("ignore")
+    import transformers
 
-    def cap() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (MEMORY * 4, MEMORY * 4))  # virtual, not resident
-        resource.setrlimit(resource.RLIMIT_DATA, (MEMORY, MEMORY))
+    while True:
+        model_type = connection.recv()
+        row = sweep_one(model_type)
+        row["transformers"] = transformers.__version__
+        connection.send(row)
 
-    command = [sys.executable, "-m", "benchmarks.coverage", "--one", model_type]
-    try:
-        done = subprocess.run(
-            command,
-            check=False,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=SECONDS,
-            preexec_fn=cap,
-        )
-    except subprocess.TimeoutExpired:
-        return {"model_type": model_type, "failed": "timeout", "why": f"over {SECONDS} s"}
-    lines = done.stdout.strip().splitlines()
-    if done.returncode or not lines:
-        tail = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
-        return {"model_type": model_type, "failed": "crashed", "why": tail[:200]}
-    return json.loads(lines[-1])
+
+class Worker:
+    """``sweep_one`` in a process of its own, restarted after a crash, a timeout or every
+    ``ROWS_PER_WORKER`` rows (what a model leaves behind stays in its process); importing
+    torch, transformers and autopar once per worker instead of once per architecture."""
+
+    def __init__(self) -> None:
+        self.process: BaseProcess | None = None
+        self.connection: Connection | None = None
+        self.rows = 0
+
+    def run(self, model_type: str) -> dict[str, Any]:
+        if self.process is None or self.rows >= ROWS_PER_WORKER:
+            self.stop()
+            # by the module's name, also when run as __main__, so the worker's functions
+            # pickle by a name the ranks it starts can import
+            serve = importlib.import_module("benchmarks.coverage")._serve
+            context = multiprocessing.get_context("spawn")
+            self.connection, theirs = context.Pipe()
+            self.process = context.Process(target=serve, args=(theirs,))
+            self.process.start()
+            self.rows = 0
+        assert self.connection is not None
+        self.rows += 1
+        self.connection.send(model_type)
+        try:
+            if self.connection.poll(SECONDS):
+                return self.connection.recv()
+            failed, why = "timeout", f"over {SECONDS} s"
+        except (EOFError, ConnectionError):
+            code = self.process.exitcode if self.process is not None else None
+            failed, why = "crashed", f"the worker died (exit code {code}: out of memory?)"
+        self.stop()
+        return {"model_type": model_type, "failed": failed, "why": why, "reached": None}
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.join()
+        self.process = self.connection = None
 
 
 def render(rows: dict[str, dict[str, Any]], when: str) -> str:
@@ -260,29 +294,27 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--only", nargs="+", default=None, metavar="MODEL_TYPE")
     parser.add_argument("--render", action="store_true", help="measure nothing")
-    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--resume", action="store_true", help="keep the architectures already recorded"
+    )
     args = parser.parse_args(argv)
-    if args.one:
-        warnings.simplefilter("ignore")
-        import transformers
-
-        row = sweep_one(args.one)
-        row["transformers"] = transformers.__version__
-        print(json.dumps(row))
-        return
     record = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": {}}
     if not args.render:
         from autopar_examples.models.hf_zoo import architectures
 
         types = args.only or sorted(architectures())
+        if args.resume:
+            types = [t for t in types if t not in record["rows"]]
+        worker = Worker()
         for model_type in types:
             started = time.perf_counter()
-            row = run_isolated(model_type)
+            row = worker.run(model_type)
             row["seconds"] = round(time.perf_counter() - started, 1)
             record["rows"][model_type] = row
             print(f"{model_type}: {row.get('reached')} {_why(row)}", flush=True)
             record["when"] = datetime.date.today().isoformat()
             _write(RESULTS, json.dumps(record, indent=1, sort_keys=True) + "\n")
+        worker.stop()
     _write(REPORT, render(record["rows"], record.get("when", "")))
 
 

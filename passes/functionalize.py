@@ -1,21 +1,25 @@
-"""Writes through a view into an intermediate tensor, made functional.
+"""In-place writes into intermediate tensors, made functional.
 
 ``torch.export`` keeps in-place ops. A write straight into a tensor (``h.add_(1)``) is
-threaded through the graph: later readers of ``h`` read the in-place op's node, so the
-plan's dataflow holds even when the op runs on a copy in another layout. A write through a
-view (``h[:, :4].mul_(2)``, ``h[:, 0] = y``) is not: later readers of ``h`` read ``h``'s
-node, which the view aliases, and a reshard anywhere on the way would leave them reading
-a tensor the write never reached. So such a write is rewritten as the functional graph
-torch's own functionalization would make::
+threaded through the graph (later readers of ``h`` read the in-place op's node), but the
+op must then write into the very tensor its producer made: autograd refuses an in-place op
+on the output of a collective's custom Function (which a reshard on the way gives it). A
+write through a view (``h[:, :4].mul_(2)``, ``h[:, 0] = y``) is not threaded at all: later
+readers of ``h`` read ``h``'s node, which the view aliases, and a reshard anywhere on the
+way leaves them reading a tensor the write never reached. So each such write is rewritten
+as the functional graph torch's own functionalization would make::
 
+    h.add_(1)                       ->  h2 = add(h, 1)
     v = slice(h, 1, 0, 4);  mul_(v, 2);  use(h)
     ->  v = slice(h, 1, 0, 4);  y = mul(v, 2);  h2 = slice_scatter(h, y, 1, 0, 4);  use(h2)
 
-(``select`` is put back with ``select_scatter``), one scatter per view on the way down to
-the written tensor, whose later readers then read the scattered result. Views other than
-slices and selects on the way are refused with what to do. Writes into a placeholder (a
-buffer: replicated, ``autopar_passes.strategies.graph``) are left as they are; writes into
-a user input are refused at trace.
+(``select`` is put back with ``select_scatter``, ``copy_`` becomes a broadcast of its
+source), one scatter per view on the way down to the written tensor, whose later readers
+then read the result. Views other than slices and selects on the way, and in-place ops with
+no out-of-place form, are refused with what to do; a direct write into a tensor of which a
+view taken before it is read after it is left in place (that view must see it). Writes into
+a placeholder (a buffer: replicated, ``autopar_passes.strategies.graph``) are left as they
+are; writes into a user input are refused at trace.
 """
 
 from __future__ import annotations
@@ -38,32 +42,48 @@ SCATTERS = {
 }
 
 
-def functionalize_view_writes(graph_module: GraphModule) -> int:
-    """Rewrite every in-place write through slices and selects of an intermediate tensor
-    (see the module docstring); returns how many were."""
+def functionalize_writes(graph_module: GraphModule) -> int:
+    """Rewrite every in-place write into an intermediate tensor, directly or through
+    slices and selects (see the module docstring); returns how many were."""
     graph = graph_module.graph
-    order = {node: index for index, node in enumerate(graph.nodes)}
     count = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or not mutates_first_input(node.target) or not node.args:
             continue
         chain = view_chain(node.args[0])
-        if not chain or chain[-1].args[0].op == "placeholder":
+        written = chain[-1].args[0] if chain else node.args[0]
+        if not isinstance(written, Node) or written.op == "placeholder":
             continue
+        out_of_place = _out_of_place(node.target)
         blocked = next((view for view in chain if view.target not in SCATTERS), None)
-        if blocked is not None:
+        if blocked is not None or out_of_place is None:
+            what = f"through the view {blocked.target}" if blocked is not None else "with"
             raise UsageError(
-                f"the model writes in place through the view {blocked.target} into an "
-                f"intermediate tensor ({node.target} in {module_path(node) or 'forward'}); "
-                "autopar handles such writes through slices and selects (x[:, :4].mul_(2), "
-                "x[:, 0] = y) only: write this one out of place"
+                f"the model writes in place {what} into an intermediate tensor "
+                f"({node.target} in {module_path(node) or 'forward'}); autopar makes such "
+                "writes functional when they go straight into the tensor or through slices "
+                "and selects (x.add_(y), x[:, :4].mul_(2), x[:, 0] = y) with an op that has "
+                "an out-of-place form: write this one out of place"
             )
-        _rewrite(graph, node, chain, order)
+        order = {n: index for index, n in enumerate(graph.nodes)}
+        if not chain and _read_through_older_views(written, node, order):
+            continue  # a view taken before the write sees it: left to run in place
+        _rewrite(graph, node, chain, order, out_of_place)
         count += 1
     if count:
         graph.lint()
         graph_module.recompile()
     return count
+
+
+def _read_through_older_views(tensor: Node, write: Node, order: dict[Node, int]) -> bool:
+    """Whether a view of ``tensor`` taken before ``write`` is read after it."""
+    for user in tensor.users:
+        if user is write or order[user] > order[write] or not view_chain(user):
+            continue
+        if any(order.get(reader, -1) > order[write] for reader in user.users):
+            return True
+    return False
 
 
 def view_chain(value: Any) -> list[Node]:
@@ -82,7 +102,9 @@ def view_chain(value: Any) -> list[Node]:
     return chain
 
 
-def _rewrite(graph: Any, node: Node, chain: list[Node], order: dict[Node, int]) -> None:
+def _rewrite(
+    graph: Any, node: Node, chain: list[Node], order: dict[Node, int], out_of_place: Any
+) -> None:
     after = order[node]
     bases = [view.args[0] for view in chain]  # what each view aliases, innermost first
     readers = {
@@ -102,12 +124,13 @@ def _rewrite(graph: Any, node: Node, chain: list[Node], order: dict[Node, int]) 
 
     # the write, out of place, kept in the written view's dtype; copy_'s out-of-place op has
     # no derivative, so its source is broadcast to the view's shape instead
+    target = chain[0] if chain else node.args[0]
     if node.target == aten.copy_.default:
-        shape = list(chain[0].meta["val"].shape)
+        shape = list(target.meta["val"].shape)
         written = added(aten.expand.default, node.args[1], shape)
     else:
-        written = added(_out_of_place(node.target), *node.args, **node.kwargs)
-    written = added(aten.type_as.default, written, chain[0])
+        written = added(out_of_place, *node.args, **node.kwargs)
+    written = added(aten.type_as.default, written, target)
     for user in list(node.users):
         user.replace_input_with(node, written)
     new_value = written
@@ -121,9 +144,12 @@ def _rewrite(graph: Any, node: Node, chain: list[Node], order: dict[Node, int]) 
 
 
 def _out_of_place(target: Any) -> Any:
-    """``aten.mul_.Tensor`` -> ``aten.mul.Tensor``."""
+    """``aten.mul_.Tensor`` -> ``aten.mul.Tensor``; ``copy_`` -> ``copy_`` (written as a
+    broadcast of its source); None when there is none."""
+    if target == aten.copy_.default:
+        return target
     name = target._schema.name.removeprefix("aten::").removesuffix("_")
-    return getattr(getattr(aten, name), target._overloadname)
+    return getattr(getattr(aten, name, None), target._overloadname, None)
 
 
 def _scatter_args(view: Node) -> tuple[Any, ...]:

@@ -169,6 +169,16 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             depths=[1, 1, 1, 1],
             num_labels=CLASSES,
         ),
+        "resnet18": _family(  # ResNet-18's depth: two basic blocks a stage
+            "ResNetConfig",
+            "ResNetForImageClassification",
+            "images",
+            embedding_size=8,
+            hidden_sizes=[8, 16, 32, 64],
+            depths=[2, 2, 2, 2],
+            layer_type="basic",
+            num_labels=CLASSES,
+        ),
         "mixtral": _family(
             "MixtralConfig",
             "MixtralForCausalLM",

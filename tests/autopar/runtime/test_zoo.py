@@ -21,7 +21,7 @@ FAMILIES = (
 )  # fmt: skip
 CASES = {
     (2, 2): [(f, s) for f in FAMILIES for s in (None, "tp")]
-    + [("mixtral", "ep"), ("qwen2_moe", "ep")],
+    + [("resnet18", None), ("resnet18", "dp"), ("mixtral", "ep"), ("qwen2_moe", "ep")],
     (2,): [("mixtral", "ep"), ("qwen2_moe", "ep")],
 }
 
