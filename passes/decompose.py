@@ -56,7 +56,8 @@ def decompose_for_sharding(graph_module: GraphModule, batch_norm_groups: int = 1
     intermediate tensors functional (``autopar_passes.functionalize``), and write out every
     training-mode batch norm (``autopar_passes.batch_norm``, statistics over each of
     ``batch_norm_groups`` slices of the batch). Returns how many were rewritten."""
-    count = functionalize_writes(graph_module)
+    count = _canonical_names(graph_module)
+    count += functionalize_writes(graph_module)
     count += decompose_batch_norms(graph_module, batch_norm_groups)
     for node in list(graph_module.graph.nodes):
         if (
@@ -69,6 +70,23 @@ def decompose_for_sharding(graph_module: GraphModule, batch_norm_groups: int = 1
     if count:
         graph_module.graph.lint()
         graph_module.recompile()
+    return count
+
+
+def _canonical_names(graph_module: GraphModule) -> int:
+    """Ops that are another op under a second name, renamed so that one rule serves:
+    ``multiply`` is ``mul``; ``view_as(x, y)`` is ``view(x, y's shape)`` (shapes are static)."""
+    count = 0
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target == aten.multiply.Tensor:
+            node.target = aten.mul.Tensor
+            count += 1
+        elif node.target == aten.view_as.default:
+            x, other = node.args[:2]
+            node.target, node.args = aten.view.default, (x, list(other.meta["val"].shape))
+            count += 1
     return count
 
 

@@ -13,10 +13,11 @@ as the functional graph torch's own functionalization would make::
     v = slice(h, 1, 0, 4);  mul_(v, 2);  use(h)
     ->  v = slice(h, 1, 0, 4);  y = mul(v, 2);  h2 = slice_scatter(h, y, 1, 0, 4);  use(h2)
 
-(``select`` is put back with ``select_scatter``, ``copy_`` becomes a broadcast of its
-source), one scatter per view on the way down to the written tensor, whose later readers
-then read the result. Views other than slices and selects on the way, and in-place ops with
-no out-of-place form, are refused with what to do; a direct write into a tensor of which a
+(``select`` is put back with ``select_scatter``; a view of every element, a reshape, a
+transpose, a permute or a ``detach``, by its inverse; ``copy_`` becomes a broadcast of its
+source), one step per view on the way down to the written tensor, whose later readers then
+read the result. Other views on the way (``expand``, ``diagonal``, ...), and in-place ops
+with no out-of-place form, are refused with what to do; a direct write into a tensor of which a
 view taken before it is read after it is left in place (that view must see it). Writes into
 a placeholder (a buffer: replicated, ``autopar_passes.strategies.graph``) are left as they
 are; writes into a user input are refused at trace.
@@ -36,6 +37,15 @@ from autopar_plans.errors import UsageError
 
 aten = torch.ops.aten
 
+RESHAPES = {  # views of every element in order, another shape
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+    aten.flatten.using_ints, aten.unflatten.int,
+}  # fmt: skip
+WHOLE = {  # views of every element: what a write through them writes is the base's
+    *RESHAPES, aten.detach.default, aten.alias.default,
+    aten.transpose.int, aten.t.default, aten.permute.default,
+}  # fmt: skip
 SCATTERS = {
     aten.slice.Tensor: aten.slice_scatter.default,
     aten.select.int: aten.select_scatter.default,
@@ -55,15 +65,18 @@ def functionalize_writes(graph_module: GraphModule) -> int:
         if not isinstance(written, Node) or written.op == "placeholder":
             continue
         out_of_place = _out_of_place(node.target)
-        blocked = next((view for view in chain if view.target not in SCATTERS), None)
+        blocked = next(
+            (view for view in chain if view.target not in SCATTERS and view.target not in WHOLE),
+            None,
+        )
         if blocked is not None or out_of_place is None:
             what = f"through the view {blocked.target}" if blocked is not None else "with"
             raise UsageError(
                 f"the model writes in place {what} into an intermediate tensor "
                 f"({node.target} in {module_path(node) or 'forward'}); autopar makes such "
-                "writes functional when they go straight into the tensor or through slices "
-                "and selects (x.add_(y), x[:, :4].mul_(2), x[:, 0] = y) with an op that has "
-                "an out-of-place form: write this one out of place"
+                "writes functional when they go straight into the tensor or through slices, "
+                "selects, reshapes and transposes (x.add_(y), x[:, :4].mul_(2), x[:, 0] = y) "
+                "with an op that has an out-of-place form: write this one out of place"
             )
         order = {n: index for index, n in enumerate(graph.nodes)}
         if not chain and _read_through_older_views(written, node, order):
@@ -137,10 +150,27 @@ def _rewrite(
     for view, base in zip(chain, bases, strict=True):
         for user in readers[id(view)]:
             user.replace_input_with(view, new_value)
-        new_value = added(SCATTERS[view.target], base, new_value, *_scatter_args(view))
+        new_value = _put_back(view, base, new_value, added)
         for user in readers[id(base)]:
             user.replace_input_with(base, new_value)
     graph.erase_node(node)
+
+
+def _put_back(view: Node, base: Node, value: Node, added: Any) -> Node:
+    """``base`` after ``view``'s elements took ``value``: scattered into it (a slice or a
+    select), or ``value`` seen as ``base`` (a view of all its elements: reshaped, or with
+    its dims put back in order)."""
+    if view.target in SCATTERS:
+        return added(SCATTERS[view.target], base, value, *_scatter_args(view))
+    if view.target in RESHAPES:
+        return added(aten.view.default, value, list(base.meta["val"].shape))
+    if view.target in (aten.detach.default, aten.alias.default):
+        return value
+    dims = view.args[1] if view.target == aten.permute.default else None
+    if dims is not None:
+        inverse = sorted(range(len(dims)), key=lambda i: dims[i] % len(dims))
+        return added(aten.permute.default, value, inverse)
+    return added(view.target, value, *view.args[1:])  # transpose and t undo themselves
 
 
 def _out_of_place(target: Any) -> Any:
@@ -149,7 +179,11 @@ def _out_of_place(target: Any) -> Any:
     if target == aten.copy_.default:
         return target
     name = target._schema.name.removeprefix("aten::").removesuffix("_")
-    return getattr(getattr(aten, name, None), target._overloadname, None)
+    for packet in (name, f"{name}_functional"):  # normal_ -> normal_functional
+        found = getattr(getattr(aten, packet, None), target._overloadname, None)
+        if found is not None:
+            return found
+    return None
 
 
 def _scatter_args(view: Node) -> tuple[Any, ...]:

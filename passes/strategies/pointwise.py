@@ -453,7 +453,10 @@ LINEAR_UNARY = (
 CREATION = (
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
     aten.ones.default, aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default,
-    aten.rand.default, aten.randn.default,
+    aten.rand.default, aten.randn.default, aten.eye.default, aten.eye.m,
+    # random draws into a tensor's shape (a write made functional: ``x.uniform_()``), whole
+    # on every device as ``rand`` is, so that every rank draws the same numbers
+    aten.uniform.default, aten.normal_functional.default,
 )  # fmt: skip
 
 LIKE = (

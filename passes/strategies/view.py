@@ -256,7 +256,7 @@ def select_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
 
 
 def split_rule(call: OpCall, mesh_shape: tuple[int, ...]) -> list[Strategy]:
-    """split.Tensor, split_with_sizes, chunk: cut along ``dim`` (argument 2) at global
+    """split.Tensor, split_with_sizes, chunk, tensor_split: cut along ``dim`` (argument 2) at global
     offsets, so it must be unsharded; every output keeps the shards of the other dims."""
     ndim = _ndim(call)
     dim = normalize_dim(_arg(call, 2, "dim", 0), ndim)
@@ -443,6 +443,8 @@ RULES: dict[object, Rule] = {
     aten.select.int: select_rule,
     aten.split.Tensor: split_rule,
     aten.split_with_sizes.default: split_rule,
+    aten.tensor_split.indices: split_rule,
+    aten.tensor_split.sections: split_rule,
     aten.chunk.default: split_rule,
     aten.unbind.int: unbind_rule,
     aten.cat.default: cat_rule,

@@ -27,6 +27,8 @@ class WritesThroughViews(nn.Module):
         h.add_(1)  # the tensor itself
         h[:, 2].sub_(0.5)  # a select
         h[1:3, 4:].copy_(torch.ones(2, 4))  # a slice of a slice; x[...] = y
+        h.t()[0].add_(0.25)  # a row of the transpose
+        h.view(4, 16)[1].mul_(0.5)  # a row of a reshape
         return self.b(torch.relu(h))
 
 
@@ -55,14 +57,14 @@ def test_no_write_into_an_intermediate_tensor_is_left() -> None:
 
 
 def test_a_write_through_another_view_is_refused_plainly() -> None:
-    class WritesThroughATranspose(nn.Module):
+    class WritesThroughADiagonal(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = x * 2
-            h.transpose(0, 1)[0].sub_(0.5)
+            h.diagonal().sub_(0.5)
             return h
 
-    with pytest.raises(UsageError, match=r"through the view aten.transpose.int .*out of place"):
-        trace(WritesThroughATranspose(), (torch.randn(4, 4),))
+    with pytest.raises(UsageError, match=r"through the view aten.diagonal.default .*out of place"):
+        trace(WritesThroughADiagonal(), (torch.randn(4, 4),))
 
 
 def test_a_view_taken_before_a_write_and_read_after_it_keeps_the_write_in_place() -> None:

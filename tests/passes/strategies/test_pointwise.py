@@ -237,6 +237,8 @@ CASES: list[Case] = [
     case("arange", aten.arange.default, 8),
     case("arange.start", aten.arange.start, 1, 9),
     case("arange.start_step", aten.arange.start_step, 0, 16, 2),
+    case("eye", aten.eye.default, 4),
+    case("eye.m", aten.eye.m, 4, 6),
     case("zeros", aten.zeros.default, [4, 8]),
     case("ones", aten.ones.default, [4, 8], kwargs={"dtype": torch.float64}),
     case("full", aten.full.default, [4, 8], 2.0),
@@ -244,6 +246,13 @@ CASES: list[Case] = [
     case("scalar_tensor", aten.scalar_tensor.default, 3.0),
     case("rand", aten.rand.default, [4, 8], target=_seeded(aten.rand.default)),
     case("randn", aten.randn.default, [4, 8], target=_seeded(aten.randn.default)),
+    case("uniform", aten.uniform.default, X, target=_seeded(aten.uniform.default)),
+    case(
+        "normal_functional",
+        aten.normal_functional.default,
+        X,
+        target=_seeded(aten.normal_functional.default),
+    ),
     # new_* and *_like: the output follows the input's layout
     case("new_zeros", aten.new_zeros.default, X, [4, 6, 8, 2], partial=("P->R",),
          expect=("S(2)->S(2)", "S(0)->S(0)")),

@@ -97,6 +97,8 @@ CASES: dict[str, tuple[Any, Callable[[], tuple[Any, ...]]]] = {
     "split_neg": (aten.split.Tensor, lambda: (f(4, 8, 12), 6, -1)),
     "split_with_sizes": (aten.split_with_sizes.default, lambda: (f(4, 8, 12), [4, 8], -1)),
     "chunk": (aten.chunk.default, lambda: (f(4, 8, 12), 2, 1)),
+    "tensor_split.indices": (aten.tensor_split.indices, lambda: (f(4, 8, 12), [1, 5], 2)),
+    "tensor_split.sections": (aten.tensor_split.sections, lambda: (f(4, 8, 12), 3, 1)),
     "chunk_neg": (aten.chunk.default, lambda: (f(4, 8, 12), 3, -1)),
     "unbind": (aten.unbind.int, lambda: (f(4, 2, 12), 1)),
     "unbind_neg": (aten.unbind.int, lambda: (f(4, 8, 2), -1)),
