@@ -6,7 +6,7 @@ op                                           what a mesh axis may shard
 max_pool{1,2,3}d, max_pool2d_with_indices,   the batch or the channels, in the input
 avg_pool{1,2,3}d, adaptive_avg_pool{1,2,3}d, and in every output (indices included)
 adaptive_max_pool{1,2}d, upsample_* (nearest,
-bilinear, bicubic, linear, trilinear)
+bilinear, bicubic, linear, trilinear), im2col
 ===========================================  =========================================
 
 Each of these works on every (sample, channel) image alone and mixes only its spatial dims
@@ -82,4 +82,9 @@ _SPATIAL = {
     ],
 }
 
-RULES: dict[object, Rule] = {op: image_rule(k) for k, ops in _SPATIAL.items() for op in ops}
+RULES: dict[object, Rule] = {
+    **{op: image_rule(k) for k, ops in _SPATIAL.items() for op in ops},
+    # im2col (unfold): each channel's windows, channel-major in the output's dim 1, so a
+    # split of the channels is a split of that dim into whole channels' blocks
+    aten.im2col.default: image_rule(2),
+}

@@ -32,6 +32,8 @@ CASES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "max_pool1d": (aten.max_pool1d.default, (r(4, 6, 9), [3])),
     "avg_pool3d": (aten.avg_pool3d.default, (r(4, 6, 4, 4, 4), [2, 2, 2])),
     "unbatched": (aten.max_pool2d.default, (r(6, 8, 8), [2, 2])),
+    "im2col": (aten.im2col.default, (X2, [3, 3], [1, 1], [1, 1], [2, 2])),
+    "im2col-unbatched": (aten.im2col.default, (r(6, 8, 8), [2, 2], [1, 1], [0, 0], [1, 1])),
 }
 
 
