@@ -73,9 +73,13 @@ def decompose_for_sharding(graph_module: GraphModule, batch_norm_groups: int = 1
     return count
 
 
+_AS = {aten.view_as.default: aten.view.default, aten.expand_as.default: aten.expand.default}
+
+
 def _canonical_names(graph_module: GraphModule) -> int:
     """Ops that are another op under a second name, renamed so that one rule serves:
-    ``multiply`` is ``mul``; ``view_as(x, y)`` is ``view(x, y's shape)`` (shapes are static)."""
+    ``multiply`` is ``mul``; ``view_as(x, y)`` is ``view(x, y's shape)`` and ``expand_as``
+    an ``expand`` (shapes are static)."""
     count = 0
     for node in graph_module.graph.nodes:
         if node.op != "call_function":
@@ -83,9 +87,9 @@ def _canonical_names(graph_module: GraphModule) -> int:
         if node.target == aten.multiply.Tensor:
             node.target = aten.mul.Tensor
             count += 1
-        elif node.target == aten.view_as.default:
+        elif node.target in _AS:
             x, other = node.args[:2]
-            node.target, node.args = aten.view.default, (x, list(other.meta["val"].shape))
+            node.target, node.args = _AS[node.target], (x, list(other.meta["val"].shape))
             count += 1
     return count
 

@@ -191,3 +191,29 @@ def test_other_reductions_and_probability_targets_are_left_alone() -> None:
     before = [(n.target, n.args) for n in exported.graph_module.graph.nodes]
     assert decompose_for_sharding(exported.graph_module) == 0
     assert [(n.target, n.args) for n in exported.graph_module.graph.nodes] == before
+
+
+def test_ops_under_a_second_name_take_the_first_ones_rule() -> None:
+    """``multiply``, ``view_as`` and ``expand_as`` become ``mul``, ``view`` and ``expand``
+    (static shapes), so the planned model has a rule for each and computes the same."""
+    import autopar
+    from autopar.testing.simulate import first_mismatch
+    from autopar_passes.trace import trace
+
+    class SecondNames(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.proj(x)
+            bias = self.proj.bias.expand_as(h)
+            return (h * torch.multiply(bias, 2)).view_as(x).sum()
+
+    model, x = SecondNames(), torch.randn(4, 8)
+    traced = trace(model, (x,))
+    targets = {str(node.target) for node in traced.graph.nodes}
+    assert not targets & {"aten.multiply.Tensor", "aten.view_as.default", "aten.expand_as.default"}
+    plan = autopar.plan(model, autopar.Mesh((2,), device="cpu"), (x,), force="dp")
+    assert not plan.warnings
+    assert first_mismatch(traced, plan, model, (x,)) is None
