@@ -365,6 +365,15 @@ class CompiledModel(nn.Module):
         )
         self._shared_sync.enabled = False
         _share_tree(self, tree)
+        # a parameter the user froze stays frozen; set last, since torch hooks no tensor
+        # that needs no gradient (the runtime follows the flag as a user changes it later:
+        # the programs' leaves and ZeRO's working copies take it from the parameter)
+        frozen = {
+            n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad
+        }
+        for name, param in self.named_parameters(remove_duplicate=False):
+            if name in frozen:
+                param.requires_grad_(False)
         if self.pipelined:
             # the other stages' state, by name (torch.distributed.checkpoint walks its paths)
             keys = self._state_keys
