@@ -37,7 +37,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from autopar_passes.batch_norm import decompose_batch_norms
-from autopar_passes.functionalize import functionalize_writes
+from autopar_passes.functionalize import functionalize_writes, inline_grad_mode_regions
 from autopar_passes.graph_edit import copy_meta as _copy_meta
 from autopar_passes.graph_edit import set_val as _set_val
 
@@ -51,12 +51,14 @@ _CLASS_LOSSES = (aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nl
 
 
 def decompose_for_sharding(graph_module: GraphModule, batch_norm_groups: int = 1) -> int:
-    """Rewrite every mean-reduced class-index cross-entropy (and nll_loss) in place into a
-    sum-reduced loss divided by the count of targets kept, make in-place writes into
-    intermediate tensors functional (``autopar_passes.functionalize``), and write out every
-    training-mode batch norm (``autopar_passes.batch_norm``, statistics over each of
-    ``batch_norm_groups`` slices of the batch). Returns how many were rewritten."""
-    count = _canonical_names(graph_module)
+    """Inline ``no_grad`` blocks and make in-place writes into intermediate tensors
+    functional (``autopar_passes.functionalize``); rewrite every mean-reduced class-index
+    cross-entropy (and nll_loss) in place into a sum-reduced loss divided by the count of
+    targets kept; write out every training-mode batch norm (``autopar_passes.batch_norm``,
+    statistics over each of ``batch_norm_groups`` slices of the batch). Returns how many
+    were rewritten."""
+    count = inline_grad_mode_regions(graph_module)
+    count += _canonical_names(graph_module)
     count += functionalize_writes(graph_module)
     count += decompose_batch_norms(graph_module, batch_norm_groups)
     for node in list(graph_module.graph.nodes):

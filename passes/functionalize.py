@@ -199,3 +199,44 @@ def _scatter_args(view: Node) -> tuple[Any, ...]:
         else:
             values.append(argument.default_value)
     return tuple(values)
+
+
+def inline_grad_mode_regions(graph_module: GraphModule) -> int:
+    """Inline every ``torch.no_grad()`` / ``torch.enable_grad()`` block that export wrapped
+    in a ``wrap_with_set_grad_enabled`` call of a submodule, so its ops get rules like any
+    other; what leaves a no-grad block is detached, as it was. Returns how many were."""
+    graph = graph_module.graph
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _SET_GRAD:
+            continue
+        enabled, holder, *inputs = node.args
+        sub = getattr(graph_module, holder.target)
+        values = dict(zip(sub.graph.find_nodes(op="placeholder"), inputs, strict=True))
+        with graph.inserting_before(node):
+            returned = graph.graph_copy(sub.graph, values)
+            outputs = list(returned) if isinstance(returned, tuple | list) else [returned]
+            if not enabled:
+                outputs = [_detached(graph, out) for out in outputs]
+        for user in list(node.users):
+            user.replace_all_uses_with(outputs[int(user.args[1])])
+            graph.erase_node(user)
+        graph.erase_node(node)
+        if not holder.users:
+            graph.erase_node(holder)
+            delattr(graph_module, holder.target)
+        count += 1
+    if count:
+        graph.lint()
+        graph_module.recompile()
+    return count
+
+
+_SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
+
+
+def _detached(graph: Any, value: Node) -> Node:
+    detached = graph.create_node("call_function", aten.detach.default, (value,), {})
+    copy_meta(value, detached)
+    set_val(detached)
+    return detached

@@ -77,3 +77,29 @@ def test_a_view_taken_before_a_write_and_read_after_it_keeps_the_write_in_place(
 
     traced = trace(ReadsAnOlderView(), (torch.randn(4, 4),))
     assert "aten.add_.Tensor" in {str(node.target) for node in traced.graph.nodes}
+
+
+def test_a_no_grad_block_is_inlined_and_its_result_detached() -> None:
+    """Export wraps ``with torch.no_grad():`` in a call of a submodule, which no rule
+    knows; inlined, its ops plan as any others, and what leaves it carries no gradient."""
+
+    class NoGradInside(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                weights = self.proj(x).softmax(-1)
+            return (self.proj(x) * weights).sum()
+
+    torch.manual_seed(0)
+    model, x = NoGradInside(), torch.randn(4, 8)
+    traced = trace(model, (x,))
+    targets = [str(node.target) for node in traced.graph.nodes if node.op == "call_function"]
+    assert "wrap_with_set_grad_enabled" not in " ".join(targets)
+    assert targets.count("aten.detach.default") == 1
+    plan = autopar.plan(model, autopar.Mesh((2,), device="cpu"), (x,), force="dp")
+    assert not plan.warnings
+    got = simulated_value(traced, plan, model, (x,), traced.user_outputs[0])
+    torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-5)
