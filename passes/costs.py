@@ -358,7 +358,7 @@ class CostModel:
         (``group_call``), which the solver pays once for the group."""
         total = 0.0
         for index, step in enumerate(steps):
-            if index == grouped and share < 1.0 and step.kind == kind:
+            if index == grouped and 0.0 < share < 1.0 and step.kind == kind:  # 0: no bytes
                 call = self.mesh_cost.collective(step.kind, step.nbytes / share, step.axes)
                 total += (call.time - self.call_fixed(kind, step.axes)) * share
             else:

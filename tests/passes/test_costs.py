@@ -133,3 +133,15 @@ def test_a_smaller_microbatch_pays_each_ops_issue_again_and_its_matmuls_run_slow
     kernel = cost.op_time(mm, one)[0] - 10e-6
     half_kernel = cost.op_time(mm, one, batch=0.5)[0] - 10e-6
     assert kernel / 2 < half_kernel < kernel
+
+
+def test_a_parameter_of_no_elements_plans() -> None:
+    """MobileBERT built small holds a [0, 64] weight; its share of an FSDP group's bytes
+    is zero, which the reshard price divided by (found by the coverage sweep)."""
+    import autopar
+    from autopar_examples.models.hf_zoo import hf_auto
+
+    model, kwargs = hf_auto("mobilebert")
+    assert any(p.numel() == 0 for p in model.parameters())
+    plan = autopar.plan(model, autopar.Mesh((2, 2), device="cpu"), (), example_kwargs=kwargs)
+    assert plan.params
