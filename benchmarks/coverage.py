@@ -240,6 +240,9 @@ class Worker:
 def render(rows: dict[str, dict[str, Any]], when: str) -> str:
     """docs/coverage.md from the record."""
     reached = {s: sum(1 for r in rows.values() if _at_least(r, s)) for s in STAGES}
+    from autopar_examples.models.hf_zoo import architectures
+
+    missing_rows = sorted(set(architectures()) - set(rows))
     missing: dict[str, list[str]] = {}
     for row in rows.values():
         for op in row.get("no_rule", []):
@@ -256,6 +259,7 @@ def render(rows: dict[str, dict[str, Any]], when: str) -> str:
         f"Measured {when} with `python -m benchmarks.coverage` (`benchmarks/coverage.py`).",
         "",
         f"Of {len(rows)} architectures: " + ", ".join(f"{reached[s]} {s}" for s in STAGES) + ".",
+        *([f"Not swept yet: {', '.join(missing_rows)}."] if missing_rows else []),
         "",
         "## Ops without a sharding rule",
         "",
