@@ -86,6 +86,7 @@ def _plan(
     if not isinstance(mesh, MeshSpec):
         raise UsageError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
     preset = load_preset(mesh.device)
+    options = _with_reduction(options)
     groups = options.batch_norm_groups(mesh)
     traced = trace(model, example_inputs, example_kwargs, batch_norm_groups=groups)
     hinted = apply_hints(options.hints, traced, mesh, options)  # checked before solving
@@ -109,6 +110,7 @@ def _plan(
         options.time_limit,
         partial(_constraints, options.force, pinned),
         zero_levels=(options.zero,) if options.zero is not None else (0, 1, 2),
+        reduction=options.grad_reduction(),
     )
     stages = options.stages if options.stages is not None or not options.force else 1
     pipeline = PipelineRequest(
@@ -132,6 +134,36 @@ def _plan(
     if groups > 1:
         made = made.model_copy(update={"batch_norm_groups": groups})
     return made, traced
+
+
+def _with_reduction(options: PlanOptions) -> PlanOptions:
+    """``options`` as a gradient-reduction policy needs them. Compression applies where a
+    gradient is all-reduced, so ZeRO (which reduce-scatters) is not searched under it; local
+    SGD averages whole models, so it plans pure data parallelism (``force='dp'``)."""
+    policy = options.grad_reduction()
+    if policy.sync == "local_sgd":
+        clash = {
+            "force": options.force not in (None, "dp"),
+            "zero": options.zero not in (None, 0),
+            "stages": options.stages not in (None, 1),
+        }
+        if any(clash.values()):
+            given = ", ".join(f"{k}={getattr(options, k)!r}" for k, bad in clash.items() if bad)
+            raise UsageError(
+                f"sync='local_sgd' averages whole models every period and plans pure data "
+                f"parallelism; it cannot run with {given}: drop those options, or use "
+                "sync='every_step'"
+            )
+        return options.model_copy(update={"force": "dp", "zero": 0, "stages": 1})
+    if policy.compression.active:
+        if options.zero not in (None, 0):
+            raise UsageError(
+                f"grad_compression={policy.compression.scheme!r} compresses gradients that "
+                f"are all-reduced, and zero={options.zero} reduce-scatters them instead: "
+                "drop one of the two options"
+            )
+        return options.model_copy(update={"zero": 0})
+    return options
 
 
 def _constraints(

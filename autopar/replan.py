@@ -35,7 +35,19 @@ LOG = logging.getLogger("autopar")
 # no pipeline; the ZeRO stage pinned). Not a forced style or hints: the pinned parameters
 # are what they decided that a call must keep, and what they ask of activations may not
 # fit another shape (data parallelism over 4 devices splits no batch of 3)
-KEPT_OPTIONS = ("memory_limit", "optimizer", "precision", "time_limit", "name", "batch_norm")
+KEPT_OPTIONS = (
+    "memory_limit",
+    "optimizer",
+    "precision",
+    "time_limit",
+    "name",
+    "batch_norm",
+    "grad_compression",
+    "sync",
+    "period",
+    "sync_warmup",
+    "reduction_form",
+)
 
 
 def skeleton(model: nn.Module) -> nn.Module | None:

@@ -40,7 +40,9 @@ from autopar_passes.annotation import META_KEY, NodeAnnotation, TensorInfo, dtyp
 from autopar_passes.mixed_precision import AutocastSaved
 from autopar_passes.strategies.types import Strategy
 from autopar_plans.buckets import BUCKET_BYTES, ddp_buckets
+from autopar_plans.compression import compressed_calls, encode_passes, state_values
 from autopar_plans.placement import PARTIAL, REPLICATE, Layout, Partial, Replicate, Shard
+from autopar_plans.reduction import PER_AXIS, GradReduction, reduce_steps
 from autopar_plans.reshard import LOCAL_KINDS
 
 if TYPE_CHECKING:
@@ -138,6 +140,9 @@ class CostModel:
     # after the layers), whose gathers the runtime runs as one call, and its share of the
     # group's bytes (``runtime.param_groups``; ``fsdp_group_shares``)
     gather_share: Mapping[str, GroupShare] = field(default_factory=dict)
+    # how gradients cross replicated axes (``autopar_plans.reduction``): the form of a sum
+    # over several axes, its dtype, compression
+    reduction: GradReduction = PER_AXIS
     _edge_cache: dict[object, tuple[float, float]] = field(
         default_factory=dict, repr=False, compare=False
     )
@@ -479,6 +484,7 @@ class CostModel:
         zero_axes: tuple[int, ...],
         working: int,
         even: bool,
+        local_shape: tuple[int, ...],
     ) -> tuple[SyncCall, ...]:
         """The bucket keys' first calls a parameter joins, keyed as the runtime fills its
         buckets (``autopar_passes.ledger.gradient_sync_entries``, ``zero_entries``): DDP by the
@@ -491,17 +497,63 @@ class CostModel:
 
         if not zero_axes:
             key = ("ddp", replicated, self.stored_itemsize(info))
-            return tuple(SyncCall((*key, a), fixed("all_reduce", a)) for a in replicated)
+            if self.reduction.sync == "local_sgd":
+                return ()
+            if self.reduction.compression.compresses(local_shape):
+                calls = compressed_calls(
+                    self.reduction.compression,
+                    [local_shape],
+                    [self.mesh_shape[a] for a in replicated],
+                )
+                return tuple(
+                    SyncCall(
+                        (*key, c.kind, c.what, replicated[c.position]),
+                        fixed(c.kind, replicated[c.position]),
+                        overlappable=False,
+                    )
+                    for c in calls
+                )
+            return tuple(
+                SyncCall((*key, kind, a), fixed(kind, a))
+                for kind, a, _ in self._sum_steps(replicated)
+            )
         others = tuple(a for a in replicated if a not in zero_axes)
         key = ("zero", zero_axes, others, working) if even else ("zero", node)
         return (
-            *(SyncCall((*key, "all_reduce", a), fixed("all_reduce", a)) for a in others),
+            *(SyncCall((*key, kind, a), fixed(kind, a)) for kind, a, _ in self._sum_steps(others)),
             *(SyncCall((*key, "reduce_scatter", a), fixed("reduce_scatter", a)) for a in zero_axes),
             *(
                 SyncCall((*key, "all_gather", a), fixed("all_gather", a), overlappable=False)
                 for a in zero_axes
             ),
         )
+
+    def grad_itemsize(self, info: TensorInfo) -> int:
+        """Bytes per value a gradient is summed in over replicated axes: the policy's dtype
+        (``GradReduction.wire_dtype``: mixed precision's compute dtype, or a casting
+        compression's), as ``runtime.grad_sync`` and ``runtime.zero`` cast their buckets."""
+        stored = "bfloat16" if self.precision == "bf16" else info.dtype
+        compute = self.compute_dtype if self.precision != "fp32" else None
+        return dtype_itemsize(self.reduction.wire_dtype(stored, compute))
+
+    def _sum_steps(self, axes: tuple[int, ...]) -> list[tuple[str, int, int]]:
+        """(kind, mesh axis, divisor of the bucket) of each call that sums a bucket over
+        ``axes`` under the policy (``autopar_plans.reduction.reduce_steps``)."""
+        names = self.mesh_cost.mesh.axis_names
+        index = {name: a for a, name in enumerate(names)}
+        sizes = [(names[a], self.mesh_shape[a]) for a in axes]
+        return [(s.kind, index[s.axis], s.divisor) for s in reduce_steps(self.reduction, sizes)]
+
+    def _compressed_time(self, shape: tuple[int, ...], axes: tuple[int, ...]) -> float:
+        """Seconds of a compressed sum of one gradient of local ``shape`` over ``axes``: the
+        scheme's calls (``compressed_calls``; priced as a share of a bucket's) and its
+        encoding's passes over memory. Not hidden by backward: the runtime encodes once
+        the bucket's gradients are all in."""
+        scheme = self.reduction.compression
+        calls = compressed_calls(scheme, [shape], [self.mesh_shape[a] for a in axes])
+        moving = sum(self.bucketed(c.kind, c.nbytes, (axes[c.position],)) for c in calls)
+        encode = encode_passes(scheme) * 4.0 * math.prod(shape)
+        return moving + op_time(0.0, encode, "float32", self.mesh_cost.preset)
 
     def param_cost(self, info: TensorInfo, layout: Layout, node: str = "") -> ParamCost:
         """Memory and gradient-sync time of a parameter stored in ``layout`` (``node``: its
@@ -523,17 +575,32 @@ class CostModel:
         params, grads, optimizer = param_state_bytes(
             info.shape, self.optimizer, self.precision, zero=zero, working_cast=cast
         )
-        # as the runtime sums them (``runtime.grad_sync``, ``runtime.zero``), one call per
-        # mesh axis, in the compute dtype under mixed precision: DDP all-reduces the
-        # accumulated gradient over each replicated axis; ZeRO all-reduces it over the axes
-        # it does not shard and reduce-scatters it over those it does, the piece shrinking
-        # axis by axis (ZeRO-1: once, ZeRO-2: every microbatch's), and gathers the stepped
-        # masters back after the step, in the working copy's dtype
-        wire = info.numel * self.wire_itemsize(info) / shard
+        # as the runtime sums them (``runtime.grad_sync``, ``runtime.zero``), in the policy's
+        # form and dtype (``autopar_plans.reduction``): DDP sums the accumulated gradient
+        # over the replicated axes (compressed: by the scheme's calls, after backward; local
+        # SGD: no gradient, the parameters averaged once a period); ZeRO sums it over the
+        # axes it does not shard and reduce-scatters it over those it does, the piece
+        # shrinking axis by axis (ZeRO-1: once, ZeRO-2: every microbatch's), and gathers
+        # the stepped masters back after the step, in the working copy's dtype
+        wire = info.numel * self.grad_itemsize(info) / shard
         sync = step = 0.0
-        for axis in replicated:
-            if axis not in zero_axes:
-                sync += self.bucketed("all_reduce", wire, (axis,))
+        others = tuple(axis for axis in replicated if axis not in zero_axes)
+        local_shape = layout.local_shape(info.shape, self.mesh_shape)
+        compressed = (
+            bool(others) and not zero_axes and self.reduction.compression.compresses(local_shape)
+        )
+        if zero_axes or (others and self.reduction.sync == "every_step" and not compressed):
+            for kind, axis, divisor in self._sum_steps(others):
+                sync += self.bucketed(kind, wire / divisor, (axis,), whole=wire)
+        elif others and self.reduction.sync == "local_sgd":
+            # the parameters (as stored) averaged once a period, after the step
+            stored = info.numel * self.stored_itemsize(info) / shard
+            for kind, axis, divisor in self._sum_steps(others):
+                step += self.bucketed(kind, stored / divisor, (axis,), whole=stored)
+            step /= self.reduction.period
+        elif compressed:
+            step += self._compressed_time(local_shape, others)
+            optimizer += 4.0 * state_values(self.reduction.compression, local_shape) * shard
         piece = wire
         for axis in zero_axes:
             sync += self.bucketed("reduce_scatter", piece, (axis,), whole=wire)
@@ -547,15 +614,14 @@ class CostModel:
         master = self.stored_itemsize(info)  # the weights the optimizer steps
         preset = self.mesh_cost.preset
         # the runtime's copies into and out of its buckets (``bucket_copy_bytes``)
-        others = any(axis not in zero_axes for axis in replicated)
-        local, wire_size = info.numel / shard, self.wire_itemsize(info)
+        local, wire_size = info.numel / shard, self.grad_itemsize(info)
         if zero_axes:
             reduce_b, gather_b = zero_copy_bytes(
-                local, zero_shard, working, wire_size, master, others
+                local, zero_shard, working, wire_size, master, bool(others)
             )
             sync += op_time(0.0, reduce_b, "float32", preset)
             step += op_time(0.0, gather_b, "float32", preset)
-        elif others:
+        elif others and sync:
             sync += op_time(0.0, bucket_copy_bytes(local, master, wire_size), "float32", preset)
         return ParamCost(
             params=params / shard,
@@ -564,7 +630,9 @@ class CostModel:
             sync_s=sync,
             step_s=step,
             optimizer_s=optimizer_step_time(stepped, self.optimizer, master, preset),
-            calls=self._sync_calls(info, node, replicated, zero_axes, working, even),
+            calls=self._sync_calls(
+                info, node, replicated, zero_axes, working, even, tuple(local_shape)
+            ),
         )
 
 

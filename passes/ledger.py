@@ -33,11 +33,13 @@ import math
 import operator
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from autopar_cost_model.collectives import MeshCost
 from autopar_cost_model.compute import op_time
+from autopar_cost_model.reduction import step_bytes
 from autopar_cost_model.step import exposed_gradient_sync, prefetch_waits
 from autopar_passes.annotation import META_KEY
 from autopar_passes.costs import CostModel, bucket_copy_bytes, trailing_all_reduces, zero_copy_bytes
@@ -51,10 +53,12 @@ from autopar_passes.mixed_precision import (
 from autopar_passes.strategies.graph import tensor_inputs
 from autopar_passes.trace import TracedModel
 from autopar_plans.buckets import ddp_buckets, open_buckets
+from autopar_plans.compression import compressed_calls, encode_passes
 from autopar_plans.ledger import CommEntry, sent
 from autopar_plans.mesh import MeshSpec
 from autopar_plans.placement import Layout, Replicate, Shard, zero_axes
 from autopar_plans.plan import Estimate, ParamPlan, Plan
+from autopar_plans.reduction import PER_AXIS, GradReduction, reduce_steps
 from autopar_plans.reshard import AxisStep, plan_reshard
 
 ADJOINT = {
@@ -112,8 +116,10 @@ class Ledger:
         microbatches: int,
         stage: int = 0,
         compute: Mapping[str, tuple[float, float]] | None = None,
+        reduction: GradReduction | None = None,
     ) -> None:
         self.cost = MeshCost(mesh)
+        self.reduction = reduction or PER_AXIS
         self.microbatches = microbatches
         self.stage = stage
         self.compute = compute or {}
@@ -131,9 +137,11 @@ class Ledger:
         per_step: bool = False,
         overlap: str = "none",
         copied: float = 0.0,
+        period: int = 1,
     ) -> None:
         """One call site: every microbatch, or once per step (``per_step``); ``copied``:
-        bytes the runtime moves through memory around each call (its buckets' copies)."""
+        bytes the runtime moves through memory around each call (its buckets' copies);
+        ``period``: it runs in one step of every ``period``."""
         mesh = self.cost.mesh
         calls = 1 if per_step else self.microbatches
         time = self.cost.collective(kind, nbytes, (axis,)).time
@@ -149,6 +157,7 @@ class Ledger:
             time,
             overlap=overlap,
             group=mesh.shape[axis],
+            period=period,
         )
 
     def add_entry(
@@ -164,10 +173,11 @@ class Ledger:
         *,
         overlap: str = "none",
         group: int = 2,
+        period: int = 1,
     ) -> None:
         """One call site priced by the caller (``seconds_per_call``) over a group of
         ``group`` devices: a pipeline's point-to-point and its sums across stages."""
-        time = seconds_per_call * calls
+        time = seconds_per_call * calls / period
         self.entries.append(
             CommEntry(
                 kind=kind,
@@ -182,6 +192,7 @@ class Ledger:
                 exposed_s=time if overlap == "none" else 0.0,
                 sent_per_call=sent(kind, nbytes, group),
                 stage=self.stage,
+                period=period,
             )
         )
 
@@ -210,7 +221,12 @@ def step_ledger(traced: TracedModel, plan: Plan, *, batch_scale: float = 1.0) ->
     mesh = plan.stage_mesh or plan.mesh
     walk = Walk(traced, plan, mesh, batch_scale)
     reshards = walk.run()
-    ledger = Ledger(mesh, plan.parallelism.microbatches, compute=place_compute(walk))
+    ledger = Ledger(
+        mesh,
+        plan.parallelism.microbatches,
+        compute=place_compute(walk),
+        reduction=plan.grad_reduction,
+    )
     reshard_entries(ledger, traced, plan, reshards, walk.cast)
     order = param_order(traced)
     gradient_sync_entries(order, plan, ledger)
@@ -473,6 +489,14 @@ def _wire_dtype(plan: Plan, dtype: str) -> str:
     return WIRE_DTYPE.get(plan.precision, dtype) if dtype == "float32" else dtype
 
 
+def _grad_dtype(plan: Plan, dtype: str) -> str:
+    """The dtype a gradient held in ``dtype`` is summed in: the plan's policy's
+    (``GradReduction.wire_dtype``: mixed precision's compute dtype, or a casting
+    compression's)."""
+    compute = WIRE_DTYPE.get(plan.precision)
+    return plan.grad_reduction.wire_dtype(dtype, compute)
+
+
 def _local_numel(param: ParamPlan, mesh_shape: tuple[int, ...]) -> int:
     return math.prod(param.param.local_shape(param.shape, mesh_shape))
 
@@ -507,12 +531,54 @@ def gradient_sync_entries(
     *,
     in_backward: bool = True,
 ) -> None:
-    """DDP's buckets over the replicated axes of every parameter ZeRO does not hold: one
-    all-reduce per bucket and axis, in the last microbatch's backward (``runtime.grad_sync``:
-    buckets fill by the stored gradients' bytes; they are summed in the compute dtype under
-    mixed precision). ``part_of``: a pipeline rank's stage of each parameter (buckets keep
-    to one); not ``in_backward``: summed after the schedule, exposed."""
-    mesh_shape = ledger.cost.mesh.shape
+    """DDP's buckets over the replicated axes of every parameter ZeRO does not hold, summed
+    in the last microbatch's backward as the plan's policy says (``runtime.grad_sync``,
+    ``autopar_plans.reduction``): one all-reduce per axis, or the hierarchical form's calls
+    on the padded bucket (buckets fill by the stored gradients' bytes; they are summed in
+    the policy's dtype). Under compression the gradients it encodes are summed by the
+    scheme's calls after backward, exposed (``autopar_plans.compression``); under local SGD
+    no gradient is summed and the parameters are averaged every ``period`` steps instead.
+    ``part_of``: a pipeline rank's stage of each parameter (buckets keep to one); not
+    ``in_backward``: summed after the schedule, exposed."""
+    mesh = ledger.cost.mesh
+    policy = plan.grad_reduction
+    for number, bucket in enumerate(sync_buckets(order, plan, mesh.shape, part_of)):
+        axes, stored = bucket.axes, bucket.stored
+        sizes = [(mesh.axis_names[a], mesh.shape[a]) for a in axes]
+        if policy.sync == "local_sgd":
+            _averaging_entries(ledger, bucket, sizes, f"local SGD: bucket {number}")
+            continue
+        what = f"gradient sync: bucket {number}, {len(bucket.shapes)} params"
+        encoded = [s for s in bucket.shapes if policy.compression.compresses(s)]
+        plain = sum(math.prod(s) for s in bucket.shapes if not policy.compression.compresses(s))
+        phase = "backward" if in_backward else "step"
+        overlap = "backward" if in_backward else "none"
+        if plain:
+            dtype = _grad_dtype(plan, stored)
+            copied = bucket_copy_bytes(plain, itemsize(stored), itemsize(dtype))
+            _steps_entries(ledger, plain, dtype, sizes, phase, what, overlap, copied)
+        if encoded:
+            _compressed_entries(
+                ledger, policy, encoded, sizes, f"{what}, {policy.compression.scheme}"
+            )
+
+
+class SyncBucket(NamedTuple):
+    """One DDP bucket as the runtime fills it: its axes, stored dtype, members' local shapes."""
+
+    axes: tuple[int, ...]
+    stored: str
+    shapes: list[tuple[int, ...]]
+
+
+def sync_buckets(
+    order: list[str],
+    plan: Plan,
+    mesh_shape: tuple[int, ...],
+    part_of: Mapping[str, int] | None = None,
+) -> list[SyncBucket]:
+    """DDP's buckets (``autopar_plans.buckets.ddp_buckets``) of the parameters replicated over
+    some mesh axes that ZeRO does not hold, in the order backward makes their gradients."""
     parts = part_of or {}
     synced = []
     for name in reversed(order):
@@ -523,29 +589,83 @@ def gradient_sync_entries(
             a for a, p in enumerate(param.param) if isinstance(p, Replicate) and mesh_shape[a] > 1
         )
         if axes:
-            numel = _local_numel(param, mesh_shape)
-            synced.append((axes, stored_dtype(plan, param), numel, parts.get(name, 0)))
+            shape = tuple(param.param.local_shape(param.shape, mesh_shape))
+            synced.append((axes, stored_dtype(plan, param), shape, parts.get(name, 0)))
     items = [
-        ((part, axes, stored), numel * itemsize(stored)) for axes, stored, numel, part in synced
+        ((part, axes, stored), math.prod(shape) * itemsize(stored))
+        for axes, stored, shape, part in synced
     ]
-    for number, bucket in enumerate(ddp_buckets(items)):
-        axes, stored, _, _ = synced[bucket[0]]
-        dtype = _wire_dtype(plan, stored)
-        numel = sum(synced[i][2] for i in bucket)
-        copied = bucket_copy_bytes(numel, itemsize(stored), itemsize(dtype))
-        what = f"gradient sync: bucket {number}, {len(bucket)} params"
-        for axis in axes:
-            ledger.add(
-                "all_reduce",
-                axis,
-                dtype,
-                numel * itemsize(dtype),
-                "backward" if in_backward else "step",
-                what,
-                per_step=True,
-                overlap="backward" if in_backward else "none",
-                copied=copied if axis == axes[0] else 0.0,
-            )
+    return [
+        SyncBucket(synced[b[0]][0], synced[b[0]][1], [synced[i][2] for i in b])
+        for b in ddp_buckets(items)
+    ]
+
+
+def _steps_entries(
+    ledger: Ledger,
+    numel: int,
+    dtype: str,
+    sizes: list[tuple[str, int]],
+    phase: str,
+    what: str,
+    overlap: str,
+    copied: float = 0.0,
+    period: int = 1,
+) -> None:
+    """The calls of one bucket's sum under the plan's form (``reduce_steps``), as
+    ``runtime.reduction.BucketSum`` runs them on the padded bucket."""
+    mesh = ledger.cost.mesh
+    index = {name: a for a, name in enumerate(mesh.axis_names)}
+    steps = reduce_steps(ledger.reduction, sizes)
+    for position, (step, nbytes) in enumerate(step_bytes(steps, numel, itemsize(dtype), sizes)):
+        ledger.add(
+            step.kind,
+            index[step.axis],
+            dtype,
+            nbytes,
+            phase,
+            what,
+            per_step=True,
+            overlap=overlap,
+            copied=copied if position == 0 else 0.0,
+            period=period,
+        )
+
+
+def _compressed_entries(
+    ledger: Ledger,
+    policy: GradReduction,
+    shapes: list[tuple[int, ...]],
+    sizes: list[tuple[str, int]],
+    what: str,
+) -> None:
+    """A compressed sum's calls (``compressed_calls``), after backward and not hidden by it
+    (the runtime encodes once every gradient of the bucket is in), with the encoding's
+    passes over memory on the first."""
+    index = {name: a for a, name in enumerate(ledger.cost.mesh.axis_names)}
+    scheme = policy.compression
+    encode = encode_passes(scheme) * 4.0 * sum(math.prod(s) for s in shapes)
+    for position, call in enumerate(compressed_calls(scheme, shapes, [n for _, n in sizes])):
+        ledger.add(
+            call.kind,
+            index[sizes[call.position][0]],
+            call.dtype,
+            call.nbytes,
+            "step",
+            f"{what} {call.what}",
+            per_step=True,
+            copied=encode if position == 0 else 0.0,
+        )
+
+
+def _averaging_entries(
+    ledger: Ledger, bucket: SyncBucket, sizes: list[tuple[str, int]], what: str
+) -> None:
+    """Local SGD's averaging of a bucket's parameters (as stored), once every ``period``
+    optimizer steps, after the step."""
+    numel = sum(math.prod(s) for s in bucket.shapes)
+    period = ledger.reduction.period
+    _steps_entries(ledger, numel, bucket.stored, sizes, "step", what, "none", period=period)
 
 
 def zero_entries(
@@ -589,7 +709,7 @@ def zero_entries(
         _, _, _, axes, others, stage2, working = members[bucket[0]]
         numel = sum(members[i][2] for i in bucket)
         what = f"ZeRO-{2 if stage2 else 1}: bucket {number}, {len(bucket)} params"
-        wire = _wire_dtype(plan, working)
+        wire = _grad_dtype(plan, working)
         size = float(numel * itemsize(wire))
         pieces = math.prod(mesh_shape[a] for a in axes)
         master = itemsize(stored_dtype(plan, plan.params[names[bucket[0]]]))

@@ -84,6 +84,7 @@ def build_plan(
         microbatch_size=microbatch_size,
         optimizer=solved.cost.optimizer,
         precision=solved.cost.precision,
+        grad_reduction=solved.cost.reduction,
         memory_limit_bytes=memory_limit,
         parallelism=_parallelism(traced, solved, params, microbatches),
         estimate=estimate,

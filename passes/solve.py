@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from autopar_cost_model.collectives import MeshCost
 from autopar_cost_model.hardware import load_preset
 from autopar_cost_model.memory import precision_policy
+from autopar_cost_model.reduction import resolve_reduction
 from autopar_passes.costs import CostModel, fsdp_group_shares, gradient_bytes, sync_buckets
 from autopar_passes.decisions import Decisions, group_decisions
 from autopar_passes.ilp import IlpProblem, cannot_beat, dominates, objective_at, solve_ilp
@@ -51,6 +52,7 @@ from autopar_plans.buckets import BUCKET_BYTES
 from autopar_plans.errors import InfeasiblePlanError
 from autopar_plans.mesh import MeshSpec
 from autopar_plans.plan import SolverReport
+from autopar_plans.reduction import PER_AXIS, GradReduction
 from autopar_plans.units import format_bytes
 
 # (node name, its choices, one strategy) -> may the node take it? Forced strategies, hints
@@ -87,6 +89,8 @@ class SolveRequest:
     # what autograd keeps under a mixed precision's autocast (``autocast_saved``), when the
     # caller found it already (the pipeline search: once per trace); None: found here
     autocast_saved: AutocastSaved | None = None
+    # how gradients cross replicated axes (its ``auto`` form resolved per mesh here)
+    reduction: GradReduction = PER_AXIS
 
 
 class NothingFaster(Exception):
@@ -241,6 +245,7 @@ def _solve(
     cap = BUCKET_BYTES * summed / held
     bucket = min(cap, max(gradient_bytes(grads) * summed / held, 1.0))
 
+    reduction = resolve_reduction(request.reduction, mesh_cost, bucket)
     working_cast = working_cast_nodes(traced, request.precision)
     gather_share = fsdp_group_shares(traced, request.precision, working_cast)
 
@@ -258,6 +263,7 @@ def _solve(
             working_cast=working_cast,
             autocast_saved=request.autocast_saved,
             gather_share=gather_share,
+            reduction=reduction,
         )
         shared = next((p for c, p in built_edges if reuses_edges(c, cost)), None)
         parts = build_problem(

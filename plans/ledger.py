@@ -56,6 +56,12 @@ class CommEntry(BaseModel):
     exposed_s: float = Field(0.0, description="The part of time_s compute does not hide.")
     sent_per_call: float = Field(0.0, description="Bytes a device sends per call.")
     stage: int = 0
+    period: int = Field(
+        1,
+        ge=1,
+        description="It runs in one optimizer step of every `period` (local SGD's "
+        "averaging): time_s, exposed_s and the per-step figures are averages over them.",
+    )
 
     @property
     def key(self) -> CommKey:
@@ -63,11 +69,15 @@ class CommEntry(BaseModel):
 
     @property
     def bytes_per_step(self) -> float:
-        return self.bytes_per_call * self.calls_per_step
+        return self.bytes_per_call * self.calls_per_step / self.period
 
     @property
     def sent_per_step(self) -> float:
-        return self.sent_per_call * self.calls_per_step
+        return self.sent_per_call * self.calls_per_step / self.period
+
+    def calls_over(self, steps: int) -> int:
+        """Calls over ``steps`` optimizer steps from the first (a multiple of ``period``)."""
+        return self.calls_per_step * (steps // self.period)
 
 
 def sent(kind: str, nbytes: float, devices: int) -> float:
@@ -97,6 +107,9 @@ def tally(rows: Iterable[tuple[str, tuple[str, ...], str, int, float]]) -> dict[
     return out
 
 
-def tally_entries(entries: Iterable[CommEntry]) -> dict[CommKey, CommCount]:
-    """``tally`` of a ledger."""
-    return tally((e.kind, e.axes, e.dtype, e.calls_per_step, e.bytes_per_step) for e in entries)
+def tally_entries(entries: Iterable[CommEntry], steps: int = 1) -> dict[CommKey, CommCount]:
+    """``tally`` of a ledger over ``steps`` optimizer steps."""
+    return tally(
+        (e.kind, e.axes, e.dtype, e.calls_over(steps), e.calls_over(steps) * e.bytes_per_call)
+        for e in entries
+    )

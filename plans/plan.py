@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from autopar_plans.ledger import CommEntry
 from autopar_plans.mesh import MeshSpec
 from autopar_plans.placement import Layout
+from autopar_plans.reduction import PER_AXIS, GradReduction
 
 PLAN_VERSION = 1
 
@@ -201,6 +202,11 @@ class Plan(_Frozen):
         description="Training batch norms take their statistics over each of this many "
         "slices of the batch: 1 the whole batch (SyncBatchNorm), the devices' count each "
         "device's slice (DDP's default; the option batch_norm='per_device').",
+    )
+    grad_reduction: GradReduction = Field(
+        PER_AXIS,
+        description="How gradients cross the mesh axes that replicate them: the form of "
+        "a sum over several axes, compression, local SGD (autopar_plans.reduction).",
     )
     parallelism: Parallelism
     estimate: Estimate

@@ -62,10 +62,11 @@ from torch.utils import _pytree as pytree
 from autopar.runtime import checkpoint
 from autopar.runtime.calls import CallPlanner, CallProgram
 from autopar.runtime.collectives import MODULES
-from autopar.runtime.comm import AxisGroup, Call, CommLog
+from autopar.runtime.comm import AxisGroup, Call, CommLog, dtype_name
 from autopar.runtime.generation import greedy, logits_of
 from autopar.runtime.grad_sync import GradientSync
 from autopar.runtime.groups import axis_groups
+from autopar.runtime.local_sgd import LocalSGD
 from autopar.runtime.local_shards import HOLDER as LOCAL_SHARDS
 from autopar.runtime.local_shards import LocalShards
 from autopar.runtime.memory_savers import install as install_memory_savers
@@ -310,7 +311,10 @@ class CompiledModel(nn.Module):
         # as ZeRO's working copies in the compute dtype (``autopar_passes.mixed_precision``)
         self._cast = cast_for_gather(traced, plan.precision)
         tree = self._build_tree(model, traced, whole, zero)
-        self._zero = ZeroShards(zero, reduce_dtype=self.precision.compute)
+        # how gradients cross the axes that replicate them (``autopar_plans.reduction``)
+        self._reduction = plan.grad_reduction
+        reduce_dtype = self._reduce_dtype()
+        self._zero = ZeroShards(zero, reduce_dtype=reduce_dtype, policy=self._reduction)
         # the programs compute on plain local shards of the DTensor parameters
         zero_names = {p.name for p in zero}
         local_shards = LocalShards(
@@ -354,16 +358,28 @@ class CompiledModel(nn.Module):
         leaf = local_shards.leaf_of
         self._sync = GradientSync(
             [(leaf(p), groups) for t, p, groups in synced if self._part_of.get(t, 0) >= 0],
-            reduce_dtype=self.precision.compute,  # mixed precision: sums in bf16 / fp16
+            reduce_dtype=reduce_dtype,  # mixed precision: sums in bf16 / fp16
             parts=[self._part_of.get(t, 0) for t, _, _ in synced if self._part_of.get(t, 0) >= 0],
             deliver=local_shards.deliver,
+            policy=self._reduction,
         )
         self._shared_sync = GradientSync(
             [(leaf(p), groups) for t, p, groups in synced if self._part_of.get(t, 0) < 0],
-            reduce_dtype=self.precision.compute,
+            reduce_dtype=reduce_dtype,
             deliver=local_shards.deliver,
+            policy=self._reduction,
         )
         self._shared_sync.enabled = False
+        self._local_sgd = (
+            LocalSGD(
+                self._reduction,
+                [self._sync, self._shared_sync],
+                local_shards.param_of,
+                [p for _, p, _ in synced],
+            )
+            if self._reduction.sync == "local_sgd"
+            else None
+        )
         _share_tree(self, tree)
         # a parameter the user froze stays frozen; set last, since torch hooks no tensor
         # that needs no gradient (the runtime follows the flag as a user changes it later:
@@ -379,6 +395,13 @@ class CompiledModel(nn.Module):
             keys = self._state_keys
             _mark_elsewhere(self, (k for k, kind, src in keys if not self._holds_state(kind, src)))
             self._start_pipeline(traced, whole, modules)
+
+    def _reduce_dtype(self) -> torch.dtype | None:
+        """The dtype gradients are summed in over replicated axes: the compute dtype under
+        mixed precision, or a casting compression's (``GradReduction.wire_dtype``)."""
+        compute = self.precision.compute
+        name = self._reduction.wire_dtype("float32", dtype_name(compute) if compute else None)
+        return None if name == "float32" else getattr(torch, name)
 
     def _start_pipeline(
         self, traced: TracedModel, whole: LoweredGraph, modules: list[torch.fx.GraphModule]

@@ -70,6 +70,10 @@ class LocalShards(nn.Module):
         ``.grad`` backward accumulates)."""
         return self._leaf_of[id(param)]
 
+    def param_of(self, leaf: torch.Tensor) -> torch.Tensor:
+        """The DTensor parameter whose local shard ``leaf`` is."""
+        return self._param_of[id(leaf)]
+
     def refresh(self, *_hook_args: Any) -> None:
         """Make each leaf its parameter's local shard again (a forward pre-hook)."""
         for param, leaf in self._pairs:

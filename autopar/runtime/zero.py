@@ -52,8 +52,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from autopar.runtime.collectives import start_reduce_scatter_rows, unflatten
 from autopar.runtime.comm import AxisGroup
 from autopar.runtime.param_groups import gather_group, reduce_scatter_group, scatter_rows
+from autopar.runtime.reduction import sum_flat
 from autopar.runtime.shards import local_of, set_local_grad
 from autopar_plans.buckets import open_buckets
+from autopar_plans.reduction import PER_AXIS, GradReduction
 
 
 @dataclass
@@ -119,6 +121,8 @@ class _Bucket:
     ready: int = 0
     started: _Started | None = None
     reduce_dtype: torch.dtype | None = None  # mixed precision: the sums run in bf16 / fp16
+    # the form of the all-reduce over the other replicated axes (``runtime.reduction``)
+    policy: GradReduction = PER_AXIS
 
     @property
     def first(self) -> ZeroParam:
@@ -161,8 +165,8 @@ class _Bucket:
             ready, grads = self._ready()
             if not ready:
                 return
-            for group in self.first.other_groups:
-                grads = _all_reduce_each(grads, group)
+            if self.first.other_groups:
+                grads = _all_reduce_each(grads, self.first.other_groups, self.policy)
             grads = self._sum(ready, grads, done=0)
         for p, grad in zip(ready, grads, strict=True):
             if p.master.grad is None:  # a copy: not a view of the bucket's buffer
@@ -197,6 +201,7 @@ def make_buckets(
     params: list[ZeroParam],
     bucket_bytes: int = 25 * 2**20,
     reduce_dtype: torch.dtype | None = None,
+    policy: GradReduction | None = None,
 ) -> list[_Bucket]:
     """Group ``params`` by pipeline stage, groups and ZeRO stage into buckets of about
     ``bucket_bytes`` (local size), in order; a parameter that does not split evenly at
@@ -217,7 +222,11 @@ def make_buckets(
         for p in params
     ]
     return [
-        _Bucket([params[i] for i in bucket], reduce_dtype=reduce_dtype)
+        _Bucket(
+            [params[i] for i in bucket],
+            reduce_dtype=reduce_dtype,
+            policy=policy or PER_AXIS,
+        )
         for bucket in open_buckets(items, bucket_bytes)
     ]
 
@@ -232,10 +241,12 @@ def _splits_evenly(p: ZeroParam) -> bool:
     return True
 
 
-def _all_reduce_each(tensors: list[torch.Tensor], group: AxisGroup) -> list[torch.Tensor]:
-    """Each tensor summed over ``group``, in one all-reduce of them laid end to end."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    group.all_reduce(flat)
+def _all_reduce_each(
+    tensors: list[torch.Tensor], groups: tuple[AxisGroup, ...], policy: GradReduction
+) -> list[torch.Tensor]:
+    """Each tensor summed over ``groups``, laid end to end in one bucket (``policy``: in
+    one all-reduce per axis, or the hierarchical form)."""
+    flat = sum_flat(torch.cat([t.reshape(-1) for t in tensors]), policy, groups)
     return unflatten(flat, [t.shape for t in tensors])
 
 
@@ -271,11 +282,17 @@ def _gather_back(
 class ZeroShards:
     """The ZeRO parameters of one compiled model: gathers before forward, sums after."""
 
-    def __init__(self, params: list[ZeroParam], reduce_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        params: list[ZeroParam],
+        reduce_dtype: torch.dtype | None = None,
+        policy: GradReduction | None = None,
+    ) -> None:
         """``reduce_dtype``: sum gradients in this dtype (mixed precision: the compute
-        dtype, as the gradient sync); masters and their gradients stay as they are."""
+        dtype, as the gradient sync); masters and their gradients stay as they are.
+        ``policy``: the form of the sum over replicated axes ZeRO does not shard."""
         self.params = {p.name: p for p in params}
-        self.buckets = make_buckets(params, reduce_dtype=reduce_dtype)
+        self.buckets = make_buckets(params, reduce_dtype=reduce_dtype, policy=policy)
         self._bucket_of = {id(p.working): b for b in self.buckets for p in b.params}
         self._queued = False
         # on while train_step runs a microbatch other than the last: ZeRO-1's working

@@ -102,7 +102,13 @@ class _PipelineLedger:
         shared = holders(self.programs, self.pp)
         entries: list[CommEntry] = []
         for stage in range(self.pp):
-            ledger = Ledger(self.mesh, self.plan.parallelism.microbatches, stage, self.compute)
+            ledger = Ledger(
+                self.mesh,
+                self.plan.parallelism.microbatches,
+                stage,
+                self.compute,
+                reduction=self.plan.grad_reduction,
+            )
             mine = [p for p in self.programs if p.index % self.pp == stage]
             reshards = [r for program in mine for r in self._reshards(program)]
             reshard_entries(ledger, self.traced, self.plan, reshards, self.walk.cast)

@@ -63,7 +63,8 @@ def observed_and_planned(
     rank: int, world: int, mesh_shape: tuple[int, ...], cases: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """Per case (``model``, ``force``, ``zero``, ``microbatches``, ``precision``, ``stages``,
-    ``schedule``, ``chunks``, ``config`` for the model's builder): the
+    ``schedule``, ``chunks``, ``config`` for the model's builder, ``options`` for
+    ``autopar.compile``): the
     second step's observed collectives and the plan's ledger, both tallied by (kind, axes,
     dtype), and the calls in order with their phases (to read a failure)."""
     axes = ("dp", "tp")[: len(mesh_shape)] if len(mesh_shape) > 1 else ("dp",)
@@ -88,6 +89,7 @@ def observed_and_planned(
             schedule=case.get("schedule"),
             chunks=case.get("chunks"),
             precision=case.get("precision", "fp32"),
+            **case.get("options", {}),
         )
         optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
         optimizer.zero_grad()

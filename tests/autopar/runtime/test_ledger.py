@@ -39,6 +39,21 @@ CASES: dict[str, dict[str, Any]] = {
     "gpt/fsdp/bf16": {"force": "fsdp", "microbatches": 4, "precision": "bf16_mixed"},
     "gpt/tp+sp/bf16": {"force": "tp+sp", "microbatches": 4, "precision": "bf16_mixed"},
     "gpt/zero2/bf16": {"force": "dp", "zero": 2, "microbatches": 4, "precision": "bf16_mixed"},
+    # the gradient-reduction policy (autopar_plans.reduction): the hierarchical form over
+    # both axes (reduce-scatter over tp, all-reduce over dp, all-gather over tp, on the
+    # padded bucket); fp32 gradients summed in bf16 (DDP's bf16_compress_hook)
+    "gpt/dp/hierarchical": {
+        "force": "dp",
+        "microbatches": 4,
+        "options": {"reduction_form": "hierarchical"},
+    },
+    "gpt/dp/bf16 sums": {"force": "dp", "microbatches": 4, "options": {"grad_compression": "bf16"}},
+    "gpt/dp/hierarchical/bf16_mixed": {
+        "force": "dp",
+        "microbatches": 4,
+        "precision": "bf16_mixed",
+        "options": {"reduction_form": "hierarchical"},
+    },
 }
 
 
