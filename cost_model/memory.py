@@ -31,6 +31,8 @@ optimizer       state values for a parameter of shape ``(..., r, c)`` with ``N``
 sgd             0
 sgd_momentum    N (momentum buffer)
 adam, adamw     2 N (first and second moments)
+lars            N (momentum buffer; ``autopar.optim.LARS``, You et al. 2017)
+lamb            2 N (first and second moments; ``autopar.optim.LAMB``, You et al. 2019)
 adafactor       ``N / (r c) * (r + c)`` for ``ndim >= 2`` (row and column second-moment
                 factors), ``N`` for vectors; no first moment (Shazeer & Stern 2018; as
                 ``torch.optim.Adafactor``, which factors the last two dims)
@@ -67,18 +69,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Literal, NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol, get_args
 
 from autopar_plans.errors import UsageError
 from autopar_plans.mesh import MeshSpec
 from autopar_plans.placement import Layout
 from autopar_plans.plan import MemoryBreakdown
 
-Optimizer = Literal["sgd", "sgd_momentum", "adam", "adamw", "adafactor"]
+Optimizer = Literal["sgd", "sgd_momentum", "adam", "adamw", "adafactor", "lars", "lamb"]
 Precision = Literal["fp32", "bf16_mixed", "fp16_mixed", "bf16"]
 PipelineSchedule = Literal["none", "gpipe", "1f1b", "interleaved"]
 
-OPTIMIZERS: tuple[str, ...] = ("sgd", "sgd_momentum", "adam", "adamw", "adafactor")
+OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
 
 
 class PrecisionPolicy(NamedTuple):
@@ -134,9 +136,9 @@ def optimizer_state_values(shape: Sequence[int], optimizer: str) -> int:
     numel = math.prod(shape)
     if optimizer == "sgd":
         return 0
-    if optimizer == "sgd_momentum":
+    if optimizer in ("sgd_momentum", "lars"):
         return numel
-    if optimizer in ("adam", "adamw"):
+    if optimizer in ("adam", "adamw", "lamb"):
         return 2 * numel
     if optimizer == "adafactor":
         if len(shape) < 2:

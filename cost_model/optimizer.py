@@ -22,7 +22,20 @@ adafactor     19      10   ``norm(p)`` 1, the row and column norms of ``g`` 2, t
                            product of the factors 1, ``div_`` 2, ``clamp_min_`` 2,
                            ``rsqrt_`` 2, ``mul_(g)`` 3, ``norm(update)`` 1, ``mul_`` 2,
                            ``add_(params)`` 3
+lars          13      5    ``norm([params, grads])`` 2 (one call), ``mul_(bufs)`` 2,
+                           ``addcmul_(bufs, grads, ratios)`` 3, ``addcmul_(bufs, params)``
+                           for the weight decay 3, ``sub_(params, bufs)`` 3
+lamb          25      10   ``lerp_(m, g)`` 3, ``mul_(v)`` 2, ``addcmul_(v, g, g)`` 3,
+                           ``sqrt(v)`` 2, ``mul_`` 2, ``add_(eps)`` 2, ``div(m, d)`` 3,
+                           ``add_(r, params)`` for the weight decay 3,
+                           ``norm([params, r])`` 2 (one call), ``addcmul_(params, r, ratios)`` 3
 ============  ======  ===  ===============================================================
+
+``lars`` and ``lamb`` are ``autopar.optim``'s (defaults: weight decay on, which large-batch
+recipes use), counted on the parameters with a trust ratio, where nearly all values are;
+a bias or norm gain skips its norm and weight decay. Their trust ratios need whole-parameter
+norms: on a sharded parameter one all-reduce of a few scalars per mesh axis, left out here.
+LAMB also holds its update ``r`` (one value per value) until the norms are known.
 
 ``host`` is the preset's forward op overhead (``DevicePreset.op_overhead``): on a CPU the
 foreach ops loop over the tensors one op at a time, so it is paid per tensor and op; an
@@ -63,6 +76,8 @@ STEP_TRAFFIC: dict[str, StepTraffic] = {
     "adam": StepTraffic(18, 7),
     "adamw": StepTraffic(20, 8),
     "adafactor": StepTraffic(19, 10),
+    "lars": StepTraffic(13, 5),
+    "lamb": StepTraffic(25, 10),
 }
 
 

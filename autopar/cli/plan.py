@@ -19,6 +19,7 @@ from autopar.cli.render import comm_table, console, plan_tables, summary_of, wor
 from autopar.force import STYLES
 from autopar.model_source import build_model, parse_config
 from autopar.report import require_matplotlib
+from autopar_cost_model.memory import OPTIMIZERS
 from autopar_plans.io import dump_plan, save_plan
 from autopar_plans.plan import Plan
 
@@ -58,7 +59,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--optimizer",
         default="adamw",
-        choices=["sgd", "sgd_momentum", "adam", "adamw", "adafactor"],
+        choices=list(OPTIMIZERS),
     )
     parser.add_argument(
         "--precision", default="fp32", choices=["fp32", "bf16_mixed", "fp16_mixed", "bf16"]
