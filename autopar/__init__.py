@@ -8,11 +8,13 @@ The public surface, in the order a user meets it:
   ``Plan`` (layouts, estimate, solver report) that saves to JSON/YAML.
 - ``compile(model, mesh, ...)``: on every rank of a job, the model sharded as planned.
 - ``trace(model, example_inputs)``: the model as an annotated ATen graph.
+- ``autopar.optim``: LARS and LAMB on a compiled model's sharded parameters, and the
+  large-batch learning-rate rules (docs/large_batch.md).
 - Errors: every mistake a user can fix raises a subclass of ``AutoparError`` whose message
   says what to change.
 """
 
-from autopar import testing
+from autopar import optim, testing
 from autopar._version import __version__
 from autopar.api import compile, plan
 from autopar.mesh import Mesh
@@ -54,6 +56,7 @@ __all__ = [
     "__version__",
     "compile",
     "load_plan",
+    "optim",
     "plan",
     "save_plan",
     "testing",

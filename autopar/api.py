@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.force import style_constraints
-from autopar.hints_api import apply_hints
+from autopar.hints_api import apply_hints, options_with_hints
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.replan import keep_pinned
@@ -86,7 +86,7 @@ def _plan(
     if not isinstance(mesh, MeshSpec):
         raise UsageError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
     preset = load_preset(mesh.device)
-    options = _with_reduction(options)
+    options = _with_reduction(options_with_hints(options))
     groups = options.batch_norm_groups(mesh)
     traced = trace(model, example_inputs, example_kwargs, batch_norm_groups=groups)
     hinted = apply_hints(options.hints, traced, mesh, options)  # checked before solving

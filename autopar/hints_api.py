@@ -59,6 +59,26 @@ def apply_hints(
     return HintedPlanner(resolved)
 
 
+def options_with_hints(options: PlanOptions) -> PlanOptions:
+    """``options`` with what the hint file sets that is an option, not a constraint (the
+    gradient compression), and the file loaded once; a hint and an option for the same
+    thing must agree."""
+    if options.hints is None:
+        return options
+    loaded = as_hints(options.hints)
+    update: dict[str, object] = {"hints": loaded}
+    hinted = loaded.grad_compression
+    if hinted is not None:
+        given = options.grad_reduction().compression
+        if options.grad_compression is not None and given != hinted:
+            raise HintError(
+                f"{loaded.where('grad_compression')}: grad_compression {hinted.scheme!r}, but "
+                f"grad_compression={options.grad_compression!r} was passed too; keep one"
+            )
+        update["grad_compression"] = hinted.model_dump()
+    return options.model_copy(update=update)
+
+
 def _check_options(hints: Hints, options: PlanOptions) -> None:
     """An option and a hint for the same thing must agree."""
     if hints.memory_limit is not None and options.memory_limit is not None:

@@ -50,6 +50,7 @@ from pydantic import (
 )
 from pydantic import model_validator as _model_validator
 
+from autopar_plans.compression import GradCompression
 from autopar_plans.errors import HintError, InfeasiblePlanError, UsageError
 from autopar_plans.units import parse_bytes
 
@@ -179,6 +180,11 @@ class Hints(_Strict):
     ban: dict[str, tuple[BanKind, ...]] = Field(
         default_factory=dict, description="Mesh axis -> kinds of parallelism banned on it."
     )
+    grad_compression: GradCompression | None = Field(
+        None,
+        description="Compress the data-parallel gradient sum: a scheme name or its "
+        "fields (autopar_plans.compression; docs/communication.md).",
+    )
     _source: str = PrivateAttr(default="<hints>")
     _lines: dict[KeyPath, int] = PrivateAttr(default_factory=dict)
 
@@ -195,6 +201,11 @@ class Hints(_Strict):
         for pattern in patterns:
             _check_pattern(pattern)
         return patterns
+
+    @field_validator("grad_compression", mode="before")
+    @classmethod
+    def _scheme(cls, value: Any) -> Any:
+        return {"scheme": value} if isinstance(value, str) else value
 
     @field_validator("memory_limit")
     @classmethod
