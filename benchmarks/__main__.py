@@ -10,7 +10,8 @@
 
 Sections (in the file's order): trace, speed (planning speed and its plots), quality (plan
 quality against DDP, FSDP and Megatron; heavy), frontier (recompute frontier; heavy),
-pipeline (the search on gpt3-175b over 128x8), runtime (real gloo ranks), gpu (the saved
+pipeline (the search on gpt3-175b over 128x8), runtime (real gloo ranks), communication
+(compression and local SGD planned on 16x8 H100s, a straggler on gloo ranks), gpu (the saved
 H200 run, read, not rerun). Each section's record, with the command, the date and the
 machine, goes to ``RESULTS/<section>.json``; the document is rendered from the records, so
 every figure in it comes with the command that measured it. ``--quick`` writes to a fresh
@@ -34,9 +35,9 @@ from benchmarks import render
 from benchmarks.common import machine
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT = ("trace", "speed", "pipeline", "runtime", "gpu")
+DEFAULT = ("trace", "speed", "pipeline", "runtime", "communication", "gpu")
 HEAVY = ("quality", "frontier")
-ALL = ("trace", "speed", "quality", "frontier", "pipeline", "runtime", "gpu")
+ALL = ("trace", "speed", "quality", "frontier", "pipeline", "runtime", "communication", "gpu")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -195,6 +196,10 @@ def measure(name: str, args: argparse.Namespace, stash: dict[str, Any]) -> Any:
         return sections.pipeline(args.quick)
     if name == "runtime":
         return runtime.run(args.quick)
+    if name == "communication":
+        from benchmarks import communication
+
+        return communication.run(args.quick)
     if name == "gpu":
         return sections.gpu()
     raise ValueError(name)

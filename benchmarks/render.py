@@ -15,7 +15,17 @@ from typing import Any
 
 from benchmarks.common import describe_machine
 
-SECTIONS = ("machine", "trace", "speed", "quality", "frontier", "pipeline", "runtime", "gpu")
+SECTIONS = (
+    "machine",
+    "trace",
+    "speed",
+    "quality",
+    "frontier",
+    "pipeline",
+    "runtime",
+    "communication",
+    "gpu",
+)
 MOE_HEADING = "## Mixture-of-experts"
 MOE_SLOT = "<!-- benchmarks:slot mixture-of-experts (kept as written; not generated) -->"
 DEPTH_PNG = "benchmarks/planning_depth.png"
@@ -580,6 +590,50 @@ def runtime(record: dict[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
+def communication(record: dict[str, Any] | None) -> str:
+    lines = [
+        "## Communication policies: compression, local SGD, the hierarchical sum (issue 23)",
+        "",
+    ]
+    if record is None:
+        return "\n".join([*lines, _missing("communication")])
+    from benchmarks import communication as module
+
+    data = record["data"]
+    lines += [_provenance(record), "", _body(module.__doc__), ""]
+    rows = data["planned"]
+    base = next(r for r in rows if r["policy"] == "none")
+    lines += [
+        f"Model: {', '.join(f'{k}={v}' for k, v in data['model'].items())}; {base['parallelism']}.",
+        "",
+        "| policy | sum's form | gradient bytes sent / device / step | of them over nodes | "
+        "sum's time | exposed | step (estimate) | vs none | optimizer + compression state |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        change = r["step_s"] / base["step_s"] - 1
+        lines.append(
+            f"| {r['policy']} | {r['form']} | {r['sent_bytes'] / 2**30:.3g} GiB | "
+            f"{r['over_nodes_bytes'] / 2**30:.3g} GiB | {r['sync_s'] * 1e3:.1f} ms | "
+            f"{r['exposed_s'] * 1e3:.1f} ms | {r['step_s'] * 1e3:.1f} ms | {change:+.1%} | "
+            f"{r['optimizer_gib']:.1f} GiB |"
+        )
+    straggler = data["straggler"]
+    median = straggler["median"]
+    lines += [
+        "",
+        f"Straggler: one rank sleeps {straggler['sleep_s'] * 1e3:.0f} ms in a step; blocks of "
+        f"{straggler['block']} steps, median of {straggler['rounds']} rounds.",
+        "",
+        "| straggler | synchronous DP (ms / block) | local SGD, H = 4 (ms / block) | ratio |",
+        "|---|---:|---:|---:|",
+    ]
+    for mode in ("fixed", "rotating"):
+        sync, local = median[f"{mode}/sync"], median[f"{mode}/local SGD"]
+        lines.append(f"| {mode} | {sync * 1e3:.1f} | {local * 1e3:.1f} | {local / sync:.2f} |")
+    return "\n".join(lines)
+
+
 def _predicted(row: dict[str, Any]) -> str:
     """The plan's step time and its ratio to the measured one (older records have none)."""
     predicted = row.get("predicted_step_s")
@@ -822,6 +876,7 @@ RENDERERS: dict[str, Callable[[Any], str]] = {
     "frontier": frontier,
     "pipeline": pipeline,
     "runtime": runtime,
+    "communication": communication,
     "gpu": gpu,
 }
 

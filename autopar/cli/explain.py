@@ -22,11 +22,13 @@ from rich.table import Table
 from autopar.cli.render import console, working
 from autopar.model_source import build_model, parse_config
 from autopar.report.explain import Explanation, explain
+from autopar.report.gradients import explain_gradients
 from autopar_passes.hints import resolve_hints
 from autopar_passes.trace import trace
 from autopar_plans.errors import UsageError
 from autopar_plans.hints import load_hints
 from autopar_plans.io import load_plan
+from autopar_plans.plan import Plan
 from autopar_plans.units import format_bytes, format_seconds
 
 
@@ -39,7 +41,10 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument("plan", metavar="PLAN", type=Path, help="a plan file")
     parser.add_argument(
-        "target", metavar="TARGET", help="a parameter name, an op (linear_3) or a module path"
+        "target",
+        metavar="TARGET",
+        help="a parameter name, an op (linear_3) or a module path; or 'gradients': whether "
+        "gradient compression or local SGD would pay (from the plan alone)",
     )
     parser.add_argument(
         "--model",
@@ -58,6 +63,8 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
+    if args.target == "gradients":
+        return _gradients(plan, args.format)
     source = args.model or plan.model
     with working(f"tracing {source} to explain {args.target}"):
         try:
@@ -90,6 +97,37 @@ def run(args: argparse.Namespace) -> int:
         for hint in forbidding:
             out.print(f"  {escape(hint)}")
     out.print(options_table(result, None if args.all else 10))
+    return 0
+
+
+def _gradients(plan: Plan, form: str) -> int:
+    """The plan's gradient sum next to each compression scheme and local SGD."""
+    report = explain_gradients(plan)
+    if form == "json":
+        print(json.dumps(asdict(report), indent=2, sort_keys=True))
+        return 0
+    out = console()
+    table = Table(
+        title="the gradient sum under each policy (the rest as planned; per step, per device)",
+        title_justify="left",
+    )
+    for column in ("", "policy", "sent", "comm", "exposed", "step", "vs plan", "state"):
+        table.add_column(column, justify="left" if column in ("", "policy") else "right")
+    own = report.rows[0]
+    for row in report.rows:
+        delta = row.step_time_s - own.step_time_s
+        table.add_row(
+            "*" if row.planned else "",
+            escape(row.name),
+            format_bytes(row.sent_bytes),
+            format_seconds(row.comm_s),
+            format_seconds(row.exposed_s),
+            format_seconds(row.step_time_s),
+            "" if row.planned else ("+" if delta >= 0 else "-") + format_seconds(abs(delta)),
+            format_bytes(row.state_bytes),
+        )
+    out.print(table)
+    out.print(escape(report.verdict))
     return 0
 
 

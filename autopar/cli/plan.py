@@ -20,6 +20,7 @@ from autopar.force import STYLES
 from autopar.model_source import build_model, parse_config
 from autopar.report import require_matplotlib
 from autopar_cost_model.memory import OPTIMIZERS
+from autopar_plans.compression import SCHEMES
 from autopar_plans.io import dump_plan, save_plan
 from autopar_plans.plan import Plan
 
@@ -65,6 +66,24 @@ def add_parser(subparsers: Any) -> None:
         "--precision", default="fp32", choices=["fp32", "bf16_mixed", "fp16_mixed", "bf16"]
     )
     parser.add_argument("--force", choices=STYLES, help="impose a parallel style")
+    parser.add_argument(
+        "--zero", type=int, choices=[0, 1, 2], help="force a ZeRO stage (default: searched)"
+    )
+    parser.add_argument(
+        "--stages", type=int, help="pipeline stages (default: searched; 1: no pipeline)"
+    )
+    parser.add_argument(
+        "--grad-compression",
+        choices=list(SCHEMES),
+        help="compress the data-parallel gradient sum (opt-in; docs/communication.md)",
+    )
+    parser.add_argument(
+        "--sync",
+        choices=["every_step", "local_sgd"],
+        default="every_step",
+        help="local_sgd: average the models every --period steps instead of summing gradients",
+    )
+    parser.add_argument("--period", type=int, default=1, help="local SGD's steps per averaging")
     parser.add_argument("--time-limit", type=float, default=60.0, help="solver seconds")
     parser.add_argument(
         "--hints", type=Path, metavar="FILE", help="a hint file (YAML; see docs/hints.md)"
@@ -110,6 +129,11 @@ def run(args: argparse.Namespace) -> int:
         "precision": args.precision,
         "force": args.force,
         "time_limit": args.time_limit,
+        "zero": args.zero,
+        "stages": args.stages,
+        "grad_compression": args.grad_compression,
+        "sync": args.sync,
+        "period": args.period,
     }
     with working(f"tracing and planning {args.model} on {mesh.describe()}"):
         model, inputs, name = build_model(args.model, parse_config(args.config), meta=True)

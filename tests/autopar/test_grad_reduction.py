@@ -4,12 +4,18 @@ plan's ledger and memory charge for compression and local SGD."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
 import autopar
+from autopar.report.gradients import explain_gradients
 from autopar_examples.models import build
+from autopar_plans import load_plan, save_plan
 from autopar_plans.errors import HintError, UsageError
 from tests.autopar.runtime.features import make
 
@@ -116,3 +122,70 @@ def test_the_hierarchical_form_is_chosen_across_nodes_and_sends_less_over_them(l
 
     assert over_nodes(auto) == pytest.approx(over_nodes(per_axis) / 4, rel=0.01)
     assert auto.estimate.step_time_s <= per_axis.estimate.step_time_s
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "autopar", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama-3-8B-wide layer planned data parallel on 2 nodes of 8 H100s with PowerSGD, by
+    the CLI; its model name made unbuildable, so that only the plan can answer."""
+    path = tmp_path_factory.mktemp("plans") / "powersgd.json"
+    result = _cli(
+        "plan", "llama3-8b", "--config", "n_layer=1", "batch_size=16", "seq_len=256",
+        "--cluster", "2x8", "--device", "h100-sxm", "--precision", "bf16_mixed",
+        "--force", "dp", "--zero", "0", "--stages", "1", "--grad-compression", "powersgd",
+        "-o", str(path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    plan = load_plan(path)
+    save_plan(plan.model_copy(update={"model": "no/such/model.py:nothing"}), path)
+    return path
+
+
+def test_the_cli_plans_with_the_compression_asked_for(cluster_plan) -> None:
+    plan = load_plan(cluster_plan)
+    assert plan.grad_reduction.compression.scheme == "powersgd"
+    assert any("powersgd" in e.what for e in plan.estimate.comm)
+
+
+def test_explain_gradients_weighs_each_policy_from_the_plan_alone(cluster_plan) -> None:
+    result = _cli("explain", str(cluster_plan), "gradients", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    rows = {row["name"]: row for row in report["rows"]}
+    planned = rows["as planned"]
+    assert planned["planned"] and planned["state_bytes"] > 0  # PowerSGD's error feedback
+    assert rows["local SGD H=4"]["sent_bytes"] > 0
+    plan = load_plan(cluster_plan)
+    sync = [e for e in plan.estimate.comm if e.what.startswith("gradient sync")]
+    assert planned["sent_bytes"] == pytest.approx(sum(e.sent_per_step for e in sync))
+    assert planned["exposed_s"] <= planned["comm_s"]
+    assert "exposed" in report["verdict"]
+
+
+def test_explain_gradients_says_when_backward_hides_the_sum() -> None:
+    """Four 2048-token sequences a device: backward hides most of the sum, and sending fewer
+    bytes cannot pay for the encoding or the exposed calls."""
+    model, inputs = build("llama3-8b", device="meta", batch_size=64, n_layer=1, seq_len=2048)
+    mesh = autopar.Mesh.cluster(nodes=2, gpus_per_node=8, device="h100-sxm")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        made = autopar.plan(
+            model, mesh, inputs, force="dp", zero=0, stages=1, precision="bf16_mixed"
+        )
+    report = explain_gradients(made)
+    own = report.rows[0]
+    assert own.planned and own.exposed_s < 0.25 * own.comm_s
+    assert all(row.step_time_s > 0.99 * own.step_time_s for row in report.rows[1:])
+    assert "backward hides it" in report.verdict and "keep the plan's" in report.verdict
+    powersgd = next(row for row in report.rows if row.name.startswith("powersgd"))
+    assert powersgd.sent_bytes < own.sent_bytes / 100  # it sends far less, and still loses
