@@ -75,6 +75,8 @@ def explain_gradients(plan: Plan) -> GradientReport:
         )
         if policy == plan.grad_reduction:
             continue
+        if policy.compression.cast_dtype and plan.precision != "fp32":
+            continue  # mixed precision sums in 16 bits already
         if policy.sync == "local_sgd" and plan.parallelism.dp != plan.mesh.size:
             continue  # local SGD plans pure data parallelism only
         rows.append(_cost(name, plan, policy))
@@ -125,9 +127,10 @@ def _verdict(own: PolicyCost, others: list[PolicyCost]) -> str:
     share = own.exposed_s / own.comm_s
     best = min(others, key=lambda r: r.step_time_s, default=None)
     if best is None or best.step_time_s >= own.step_time_s * 0.99:
+        hidden = "backward hides most of it" if share < 0.5 else "yet"
         return (
-            f"the gradient sum is {share:.0%} exposed: backward hides it, and no policy "
-            "here makes the step faster by 1% or more; keep the plan's"
+            f"the gradient sum is {share:.0%} exposed: {hidden}, and no policy here makes "
+            "the step faster by 1% or more; keep the plan's"
         )
     gain = own.step_time_s - best.step_time_s
     return (
