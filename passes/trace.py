@@ -36,6 +36,7 @@ from torch import nn
 from autopar_passes.annotate import annotate_graph
 from autopar_passes.annotation import META_KEY, NodeAnnotation, NodeKind, TensorInfo
 from autopar_passes.decompose import decompose_for_sharding
+from autopar_passes.dtype_check import check_dtypes
 from autopar_passes.expose import expose_fused_projections
 from autopar_passes.functionalize import view_chain
 from autopar_passes.layers import LayerContainer, find_layer_container, module_path
@@ -161,6 +162,7 @@ def trace(
     start = time.perf_counter()
     exported = _export(model, args, kwargs)
     _check_static_shapes(exported.graph_module.graph)
+    check_dtypes(exported.graph_module.graph, autocast=_autocast_on())
     _refuse_writes_into_inputs(exported)
     decompose_for_sharding(exported.graph_module, batch_norm_groups)
     signature = exported.graph_signature
@@ -228,6 +230,11 @@ def _check_static_shapes(graph: torch.fx.Graph) -> None:
                     "expert: topk over the routed mask, as examples/models/moe_sparse.py "
                     "does)"
                 )
+
+
+def _autocast_on() -> bool:
+    """Whether the trace runs under ``torch.autocast``, whose casts the graph does not show."""
+    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
 
 
 def _model_device(model: nn.Module) -> torch.device | None:
