@@ -15,6 +15,8 @@ the default group from torchrun's environment when the script has not.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,37 @@ def local_rank() -> int:
     return dist.get_rank() % torch.cuda.device_count() if dist.is_initialized() else 0
 
 
+def _init_default_group(backend: str, timeout_s: float | None) -> None:
+    """The default process group from torchrun's environment, its store keys under this
+    restart's own prefix: under ``torchrun --max-restarts`` the agent's store outlives a
+    failed attempt, and the keys the dead workers left (their gloo addresses) sent the
+    next attempt's workers to connect to ports nobody listens on (pytorch issue 167288)."""
+    timeout = timedelta(seconds=timeout_s) if timeout_s else None
+    store, rank, world = next(
+        iter(dist.rendezvous("env://", timeout=timeout or timedelta(minutes=30)))
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"autopar/attempt-{attempt}/", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )
+
+
+def _with_timeout(device_type: str, ndim: int, timeout_s: float | None) -> dict[int, Any] | None:
+    """``init_device_mesh``'s per-axis backend options that set the groups' timeout."""
+    if not timeout_s:
+        return None
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    options: Any = (
+        dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    )
+    options._timeout = timedelta(seconds=timeout_s)
+    return {axis: (backend, options) for axis in range(ndim)}
+
+
 class Mesh(MeshSpec):
     """A device mesh: shape, axis names, hardware preset. See ``autopar_plans.MeshSpec``."""
 
@@ -52,7 +85,7 @@ class Mesh(MeshSpec):
             return "cuda"
         return "cpu"
 
-    def init(self) -> DeviceMesh:
+    def init(self, timeout_s: float | None = None) -> DeviceMesh:
         """The process groups for this mesh: the ``DeviceMesh`` it was made from
         (``from_device_mesh``), else one built with ``init_device_mesh``.
 
@@ -76,7 +109,7 @@ class Mesh(MeshSpec):
             cuda = torch.cuda.is_available()
             if cuda:
                 torch.cuda.set_device(local_rank())
-            dist.init_process_group("nccl" if cuda else "gloo")
+            _init_default_group("nccl" if cuda else "gloo", timeout_s)
         world = dist.get_world_size()
         if world != self.size:
             raise UsageError(
@@ -88,7 +121,12 @@ class Mesh(MeshSpec):
         device_type = self.runtime_device_type()
         if device_type == "cuda":
             torch.cuda.set_device(local_rank())
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=self.axis_names)
+        return init_device_mesh(
+            device_type,
+            self.shape,
+            mesh_dim_names=self.axis_names,
+            backend_override=_with_timeout(device_type, self.ndim, timeout_s),
+        )
 
     @classmethod
     def from_device_mesh(cls, device_mesh: DeviceMesh, device: str | None = None) -> Mesh:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.runtime.comm import AxisGroup
+from autopar.runtime.faults import Waitable
 from autopar.runtime.pending import DeferredAllReduce
 
 Group = AxisGroup
@@ -45,14 +46,14 @@ def all_gather(x: torch.Tensor, dim: int, group: Group, phase: str | None = None
     x = x.contiguous()
     if group.gloo:
         parts = [torch.empty_like(x) for _ in range(n)]
-        dist.all_gather(parts, x, group=group.pg)
+        group.call(dist.all_gather, parts, x, group=group.pg)
         out = torch.cat(parts, dim=dim)
         group.record("all_gather", out, phase)
         return out
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
     group.record("all_gather", out, phase)
-    dist.all_gather_into_tensor(out, moved, group=group.pg)
+    group.call(dist.all_gather_into_tensor, out, moved, group=group.pg)
     return out.movedim(0, dim)
 
 
@@ -61,11 +62,11 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     group.record("reduce_scatter", x)
     if group.gloo:
         total = x.contiguous().clone()
-        dist.all_reduce(total, group=group.pg)
+        group.call(dist.all_reduce, total, group=group.pg)
         return total.chunk(n, dim=dim)[rank].contiguous()
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, moved, group=group.pg)
+    group.call(dist.reduce_scatter_tensor, out, moved, group=group.pg)
     return out.movedim(0, dim)
 
 
@@ -77,15 +78,15 @@ def all_gather_rows(flat: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
-def start_all_gather_rows(flat: torch.Tensor, group: Group) -> tuple[dist.Work, torch.Tensor]:
+def start_all_gather_rows(flat: torch.Tensor, group: Group) -> tuple[Waitable, torch.Tensor]:
     """``all_gather_rows`` launched without waiting (FSDP's prefetch): the work to wait on,
     and the rows it fills."""
     out = torch.empty((group.size, flat.numel()), dtype=flat.dtype, device=flat.device)
     group.record("all_gather", out)
     if group.gloo:
-        work = dist.all_gather(list(out.unbind(0)), flat, group=group.pg, async_op=True)
+        work = group.call(dist.all_gather, list(out.unbind(0)), flat, group=group.pg, async_op=True)
     else:
-        work = dist.all_gather_into_tensor(out, flat, group=group.pg, async_op=True)
+        work = group.call(dist.all_gather_into_tensor, out, flat, group=group.pg, async_op=True)
     assert work is not None
     return work, out
 
@@ -100,16 +101,16 @@ def reduce_scatter_rows(rows: torch.Tensor, group: Group) -> torch.Tensor:
 
 def start_reduce_scatter_rows(
     rows: torch.Tensor, group: Group
-) -> tuple[dist.Work, Callable[[], torch.Tensor]]:
+) -> tuple[Waitable, Callable[[], torch.Tensor]]:
     """``reduce_scatter_rows`` launched without waiting: the work to wait on, and what
     gives the result once it is done."""
     group.record("reduce_scatter", rows)
     if group.gloo:
-        work = dist.all_reduce(rows, group=group.pg, async_op=True)
+        work = group.call(dist.all_reduce, rows, group=group.pg, async_op=True)
         # cloned once done, not a view: it must not keep all rows
         return work, rows[group.rank].clone
     out = torch.empty(rows.shape[1:], dtype=rows.dtype, device=rows.device)
-    work = dist.reduce_scatter_tensor(out, rows, group=group.pg, async_op=True)
+    work = group.call(dist.reduce_scatter_tensor, out, rows, group=group.pg, async_op=True)
     return work, lambda: out
 
 
@@ -136,12 +137,12 @@ def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: Group) -> tor
     group.record("all_to_all", x)
     if group.gloo:
         parts = [torch.empty_like(x.contiguous()) for _ in range(n)]
-        dist.all_gather(parts, x.contiguous(), group=group.pg)
+        group.call(dist.all_gather, parts, x.contiguous(), group=group.pg)
         whole = torch.cat(parts, dim=src_dim)
         return whole.chunk(n, dim=dst_dim)[rank].contiguous()
     sends = [p.contiguous() for p in x.chunk(n, dim=dst_dim)]
     receives = [torch.empty_like(sends[0]) for _ in range(n)]
-    dist.all_to_all(receives, sends, group=group.pg)
+    group.call(dist.all_to_all, receives, sends, group=group.pg)
     return torch.cat(receives, dim=src_dim)
 
 

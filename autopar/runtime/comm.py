@@ -17,12 +17,14 @@ a broadcast, each device's buffer for an all-to-all.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from autopar.runtime.faults import Faults, guarded_call
 from autopar_plans.ledger import CommCount, CommKey, tally
 
 
@@ -55,6 +57,9 @@ class CommLog:
     with ``CompiledModel.reset_observed()``."""
 
     calls: list[Call] = field(default_factory=list)
+    # the job's fault reports (``runtime.faults``): every collective of the groups that
+    # record here fails with a message naming the rank that failed
+    faults: Faults | None = None
 
     def record(
         self, kind: str, axes: tuple[str, ...], tensor: torch.Tensor, phase: str | None = None
@@ -107,12 +112,19 @@ class AxisGroup:
     ) -> Any:
         """In-place sum (or ``op``) over the group (``dist.all_reduce``), recorded."""
         self.log.record("all_reduce", self.axes, tensor, phase)
-        return dist.all_reduce(tensor, op=op, group=self.pg, async_op=async_op)
+        return self.call(dist.all_reduce, tensor, op=op, group=self.pg, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, group_src: int, phase: str | None = None) -> None:
         """``dist.broadcast`` from the group's rank ``group_src``, recorded."""
         self.log.record("broadcast", self.axes, tensor, phase)
-        dist.broadcast(tensor, group=self.pg, group_src=group_src)
+        self.call(dist.broadcast, tensor, group=self.pg, group_src=group_src)
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, a ``torch.distributed`` collective on this group: a
+        failure (a peer gone or stuck) raises ``runtime.faults.RankFailedError`` naming
+        the rank and its error, here or at the returned work's ``wait``."""
+        what = f"{fn.__name__} over {' x '.join(self.axes)}"
+        return guarded_call(self.log.faults, what, fn, *args, **kwargs)
 
     def record(self, kind: str, tensor: torch.Tensor, phase: str | None = None) -> None:
         """Record a collective that ``runtime.collectives`` runs by its own means (gloo has

@@ -63,6 +63,7 @@ from autopar.runtime import checkpoint
 from autopar.runtime.calls import CallPlanner, CallProgram
 from autopar.runtime.collectives import MODULES
 from autopar.runtime.comm import AxisGroup, Call, CommLog, dtype_name
+from autopar.runtime.faults import DEFAULT_TIMEOUT_S, Faults, fingerprints
 from autopar.runtime.generation import greedy, logits_of
 from autopar.runtime.grad_sync import GradientSync
 from autopar.runtime.groups import axis_groups
@@ -226,12 +227,19 @@ class CompiledModel(nn.Module):
         outputs: OutputMode = "whole",
         loss_fn: Loss | None = None,
         call_planner: CallPlanner | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        check_inputs: str = "first",
     ) -> None:
         super().__init__()
         rank = dist.get_rank()
         self.plan = plan
-        # every collective this model issues is recorded here (runtime.comm)
-        self._comm = CommLog()
+        # every collective this model issues is recorded here (runtime.comm), and fails
+        # naming the rank that failed (runtime.faults)
+        self._faults = Faults(timeout)
+        self._faults.install_excepthook()
+        self._comm = CommLog(faults=self._faults)
+        self._check_inputs = check_inputs
+        self._inputs_checked = False
         # the mesh the plan's layouts are on: one pipeline stage's mesh, or the whole mesh
         self.mesh = plan_stage_mesh(plan)
         self.device = device
@@ -296,7 +304,12 @@ class CompiledModel(nn.Module):
         ]
         self._buffer_meta = _buffer_meta(model, whole, self.precision.params)
         world_axes = pipeline_mesh_spec(plan).axis_names if self.pipelined else self.mesh.axis_names
-        self._world = AxisGroup(dist.group.WORLD, tuple(world_axes), self._comm)
+        # the whole job, with the fault reports' timeout (the default group may have
+        # torch's 30 minutes when the script made it)
+        world_group = dist.new_group(
+            list(range(dist.get_world_size())), timeout=self._faults.timeout
+        )
+        self._world = AxisGroup(world_group, tuple(world_axes), self._comm)
         self._mesh_groups = [
             AxisGroup(self.device_mesh.get_group(axis), (axis_name,), self._comm)
             for axis, axis_name in enumerate(self.mesh.axis_names)
@@ -569,6 +582,10 @@ class CompiledModel(nn.Module):
 
     # ---- running ------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self._faults.reporting():
+            return self._forward(*args, **kwargs)
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.pipelined:
             raise UsageError(
                 f"the plan runs {self.plan.parallelism.pp} pipeline stages: each rank "
@@ -581,6 +598,8 @@ class CompiledModel(nn.Module):
             raise UsageError(
                 f"the compiled model takes {len(call.inputs)} inputs (as traced), got {len(leaves)}"
             )
+        if self.inputs_mode == "global":
+            self._check_same_inputs(leaves)
         prepared = [self._prepare(call, i, leaf) for i, leaf in enumerate(leaves)]
         self._zero.gather()  # ZeRO: working copies from the masters the optimizer stepped
         with self.precision.autocast(self.device.type):
@@ -813,7 +832,35 @@ class CompiledModel(nn.Module):
             s.stop - s.start for s in local_slices(shape, layout, self.coords, self.mesh.shape)
         )
 
+    def _check_same_inputs(self, tensors: list[Any]) -> None:
+        """With ``inputs="global"`` every rank passes the same batch: check it once (or
+        every call, ``check_inputs="every"``) by a fingerprint of each tensor, gathered
+        from every rank (one small all-gather, recorded in the phase ``check``, outside a
+        step's ledger), and name the ranks whose batch differs from rank 0's."""
+        if self._check_inputs == "off" or (self._check_inputs == "first" and self._inputs_checked):
+            return
+        self._inputs_checked = True
+        prints = fingerprints([t for t in tensors if isinstance(t, torch.Tensor)])
+        if not prints.numel():
+            return
+        group = self._world
+        rows = torch.empty((group.size, prints.numel()), dtype=prints.dtype)
+        group.record("all_gather", rows, phase="check")
+        group.call(dist.all_gather, list(rows.unbind(0)), prints, group=group.pg)
+        differ = [r for r in range(group.size) if not torch.equal(rows[r], rows[0])]
+        if differ:
+            raise UsageError(
+                f"rank(s) {', '.join(map(str, differ))} were given other inputs than rank 0 "
+                "(a fingerprint of each input tensor differs): with inputs='global' every "
+                "rank passes the same whole batch (seed the data loader alike, or shard it "
+                "yourself and compile with inputs='local')"
+            )
+
     def train_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        with self._faults.reporting():
+            return self._train_step(inputs, targets)
+
+    def _train_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """One optimizer step's forward and backward over the global batch.
 
         ``inputs`` is what the model takes (a tensor, or a tuple for ``model(*inputs)``),
@@ -868,6 +915,7 @@ class CompiledModel(nn.Module):
             )
         batch_major = [self._check_batch_input(i, leaf, total) for i, leaf in enumerate(leaves)]
         self._comm.clear()
+        self._check_same_inputs([*leaves, targets])
         if self.pipelined:
             return self._pipeline_step(leaves, batch_major, targets)
         return self._accumulate(leaves, spec, batch_major, targets)

@@ -36,7 +36,7 @@ def axis_groups(mesh: MeshSpec, log: CommLog) -> list[AxisGroup | None]:
                 coords = list(fixed)
                 coords.insert(axis, i)
                 ranks.append(sum(c * s for c, s in zip(coords, strides, strict=True)))
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=log.faults.timeout if log.faults else None)
             if rank in ranks:
                 mine[axis] = AxisGroup(group, (mesh.axis_names[axis],), log)
     return mine

@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import fx
 
 from autopar.runtime.collectives import (
@@ -56,6 +55,7 @@ from autopar.runtime.collectives import (
     to_param_dtype,
     unflatten,
 )
+from autopar.runtime.faults import Waitable
 from autopar_plans.errors import UsageError
 
 Shape = tuple[int, ...]
@@ -89,7 +89,7 @@ class InFlight:
     the (identity, version) of the shards it gathered, so that rows of parameters that
     changed since (an optimizer step) are never used."""
 
-    work: dist.Work
+    work: Waitable
     rows: torch.Tensor
     key: tuple[tuple[int, int], ...]
 

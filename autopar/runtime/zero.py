@@ -45,12 +45,12 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from autopar.runtime.collectives import start_reduce_scatter_rows, unflatten
 from autopar.runtime.comm import AxisGroup
+from autopar.runtime.faults import Waitable
 from autopar.runtime.param_groups import gather_group, reduce_scatter_group, scatter_rows
 from autopar.runtime.reduction import sum_flat
 from autopar.runtime.shards import local_of, set_local_grad
@@ -105,7 +105,7 @@ class _Started:
     """A bucket's first collective, launched while backward goes on."""
 
     params: list[ZeroParam]  # those whose gradient it sums
-    work: dist.Work
+    work: Waitable
     result: Callable[[], torch.Tensor]  # the flat result once ``work`` is done
     shapes: list[torch.Size]
 

@@ -106,3 +106,40 @@ def run_ranks(work: Callable[..., Any], world_size: int, args: Sequence[Any] = (
                 raise RuntimeError(f"rank {rank} failed:\n{record['error']}")
             results.append(record["result"])
         return results
+
+
+def run_ranks_outcomes(
+    work: Callable[..., Any], world_size: int, args: Sequence[Any] = (), wait_s: float = 300.0
+) -> list[dict[str, Any]]:
+    """As ``run_ranks``, but a rank that fails or dies does not stop the others (torch's
+    ``join`` terminates every rank once one fails): for fault tests. Per rank, in order:
+    ``{"ok": True, "result": ...}``, ``{"ok": False, "error": traceback}``, or
+    ``{"ok": False, "died": exitcode}`` (killed, or no result)."""
+    with tempfile.TemporaryDirectory() as outdir:
+        port = free_port()
+        start_method = "spawn"
+        if "forkserver" in multiprocessing.get_all_start_methods():
+            start_method = "forkserver"
+            multiprocessing.set_forkserver_preload(list(PRELOAD))
+        context = mp.start_processes(
+            _entry,
+            args=(world_size, port, outdir, work, tuple(args), dict(os.environ)),
+            nprocs=world_size,
+            join=False,
+            start_method=start_method,
+        )
+        assert context is not None
+        for process in context.processes:
+            process.join(wait_s)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        outcomes = []
+        for rank, process in enumerate(context.processes):
+            path = os.path.join(outdir, f"rank{rank}.pt")
+            if not os.path.exists(path):
+                outcomes.append({"ok": False, "died": process.exitcode})
+                continue
+            record = torch.load(path, weights_only=False)
+            outcomes.append(record)
+        return outcomes
