@@ -8,13 +8,15 @@ The public surface, in the order a user meets it:
   ``Plan`` (layouts, estimate, solver report) that saves to JSON/YAML.
 - ``compile(model, mesh, ...)``: on every rank of a job, the model sharded as planned.
 - ``trace(model, example_inputs)``: the model as an annotated ATen graph.
+- ``autopar.elastic``: checkpoints a job restarted by ``torchrun --max-restarts`` resumes
+  from (docs/elastic.md).
 - ``autopar.optim``: LARS and LAMB on a compiled model's sharded parameters, and the
   large-batch learning-rate rules (docs/large_batch.md).
 - Errors: every mistake a user can fix raises a subclass of ``AutoparError`` whose message
   says what to change.
 """
 
-from autopar import optim, testing
+from autopar import elastic, optim, testing
 from autopar._version import __version__
 from autopar.api import compile, plan
 from autopar.mesh import Mesh
@@ -55,6 +57,7 @@ __all__ = [
     "UsageError",
     "__version__",
     "compile",
+    "elastic",
     "load_plan",
     "optim",
     "plan",
