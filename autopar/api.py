@@ -25,6 +25,7 @@ from autopar.hints_api import apply_hints, options_with_hints
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.replan import keep_pinned
+from autopar.runtime.faults import DEFAULT_TIMEOUT_S
 from autopar.runtime.precision import check_precision, run_precision
 from autopar_passes.pipeline.search import PipelineRequest
 from autopar_passes.solve import Constraint, SolveRequest, no_constraints
@@ -35,6 +36,7 @@ from autopar_plans.mesh import MeshSpec
 from autopar_plans.placement import Layout
 from autopar_plans.plan import Plan
 from autopar_plans.units import parse_bytes
+from autopar_plans.validate import check_plan, check_plan_against
 
 if TYPE_CHECKING:  # the runtime (DTensor, DCP) loads when a model is compiled, not on import
     from autopar.replan import CallPlanner
@@ -261,6 +263,8 @@ def compile(
     inputs: str = "global",
     outputs: str = "whole",
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    check_inputs: str = "first",
     **options: Any,
 ) -> nn.Module:
     """Shard ``model`` over ``mesh`` on every rank of a running job.
@@ -284,6 +288,13 @@ def compile(
     ``stages`` or ``microbatches`` say otherwise). With it, the planner may choose a
     pipeline (stages, schedule, microbatches); the example inputs are then traced again
     at the chosen microbatch size.
+
+    ``timeout``: seconds a collective waits for its peers before its rank gives up
+    (default 600); a rank that fails, is killed or is stuck then makes every other rank
+    raise ``RankFailedError`` naming it (``runtime.faults``). ``check_inputs``: with
+    ``inputs="global"``, whether ranks check that they were given the same batch:
+    ``"first"`` (default: the first call, one small all-gather), ``"every"`` call (a debug
+    mode), or ``"off"``.
 
     ``inputs="global"`` (default): every rank passes the whole batch. ``inputs="local"``:
     each rank passes only its slice (``compiled.input_slices()``); planning then needs
@@ -311,7 +322,23 @@ def compile(
         )
     if loss_fn is not None and not callable(loss_fn):
         raise UsageError(f"loss_fn must be callable (outputs, targets) -> loss, not {loss_fn!r}")
-    options = dict(options, plan=plan, inputs=inputs, outputs=outputs, loss_fn=loss_fn)
+    if check_inputs not in ("first", "every", "off"):
+        raise UsageError(f"check_inputs={check_inputs!r}: pass 'first', 'every' or 'off'")
+    if not timeout > 0:
+        raise UsageError(f"timeout={timeout!r}: pass the seconds a collective may wait, > 0")
+    source = _plan_source(plan)
+    if plan is not None:
+        plan = given_plan(plan, mesh)  # a bad plan file is refused before anything starts
+    options = dict(
+        options,
+        plan=plan,
+        plan_source=source,
+        inputs=inputs,
+        outputs=outputs,
+        loss_fn=loss_fn,
+        timeout=timeout,
+        check_inputs=check_inputs,
+    )
     if example_inputs is not None or example_kwargs is not None:
         args = tuple(example_inputs) if example_inputs is not None else ()
         return _build(model, mesh, args, dict(example_kwargs or {}), options)
@@ -328,11 +355,14 @@ def _build(
     from autopar.runtime.compiled import CompiledModel
     from autopar.runtime.pipeline import pipeline_mesh, schedule_to_run
 
-    device_mesh = mesh.init()
+    options = dict(options)
+    timeout = float(options.pop("timeout", DEFAULT_TIMEOUT_S))
+    check_inputs = options.pop("check_inputs", "first")
+    device_mesh = mesh.init(timeout)
     cuda = mesh.runtime_device_type() == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    options = dict(options)
     given = options.pop("plan", None)
+    source = options.pop("plan_source", "plan=")
     inputs, outputs = options.pop("inputs", "global"), options.pop("outputs", "whole")
     loss_fn = options.pop("loss_fn", None)
     batch = example_batch((*args, *kwargs.values()))
@@ -377,6 +407,9 @@ def _build(
             microbatch_inputs(example_kwargs, batch, chosen.microbatch_size),
             batch_norm_groups=chosen.batch_norm_groups,
         )
+    if given is not None:
+        shapes = {name: info.shape for name, info in traced.params.items()}
+        check_plan_against(chosen, source, params=shapes)
     if chosen.parallelism.pp > 1:
         device_mesh = pipeline_mesh(chosen, device.type)
     _seed_alike(device)
@@ -390,6 +423,8 @@ def _build(
         outputs=outputs,
         loss_fn=loss_fn,
         call_planner=_call_planner(model, mesh, traced, chosen, options),
+        timeout=timeout,
+        check_inputs=check_inputs,
     )
     # torch.export leaves reference cycles (its tracer's module wrapper) that hold the
     # traced module, hence its weights; Python's cycle collector runs on object counts, not
@@ -398,6 +433,25 @@ def _build(
     del traced
     gc.collect()
     return compiled
+
+
+def given_plan(plan: Plan | str | Path, mesh: MeshSpec) -> Plan:
+    """The ``plan=`` of ``compile``, read if it is a file and checked, on its own and
+    against ``mesh`` (``autopar_plans.validate``); the model is checked once traced."""
+    if not isinstance(plan, Plan | str | Path):
+        raise UsageError(
+            f"plan={type(plan).__name__}: pass an autopar.Plan or the path of a plan file"
+        )
+    chosen = plan if isinstance(plan, Plan) else load_plan(plan)
+    source = _plan_source(plan)
+    check_plan(chosen, source)
+    check_plan_against(chosen, source, mesh=mesh)
+    return chosen
+
+
+def _plan_source(plan: Plan | str | Path | None) -> str:
+    """How messages name the plan: its file, or the argument."""
+    return str(plan) if isinstance(plan, str | Path) else "plan="
 
 
 def _call_planner(

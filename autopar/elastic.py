@@ -18,7 +18,6 @@ devices resumes too. docs/elastic.md has the recipe.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from autopar_plans.errors import UsageError
+from autopar_plans.writes import write_atomic
 
 LATEST = "latest"
 
@@ -70,9 +70,7 @@ def save(
     dcp.save(_state(model, optimizer, schedule), checkpoint_id=str(_folder(root, step)))
     dist.barrier()  # every rank's shards are written before the marker says so
     if dist.get_rank() == 0:
-        temporary = root / f".{LATEST}.{os.getpid()}"
-        temporary.write_text(f"{step}\n")
-        os.replace(temporary, root / LATEST)
+        write_atomic(root / LATEST, f"{step}\n")
         folders = sorted(root.glob("step-*"))
         for old in folders[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)

@@ -17,7 +17,9 @@ import difflib
 import importlib
 import importlib.util
 import inspect
+import io
 import sys
+import tokenize
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ import yaml
 from torch import nn
 
 from autopar_plans.errors import UsageError
+from autopar_plans.files import MODEL_FILE, decode_text, read_bytes
 
 Factory = Callable[..., tuple[nn.Module, tuple[Any, ...]]]
 
@@ -56,7 +59,7 @@ def resolve_factory(spec: str) -> tuple[Factory, str]:
     else:
         try:
             module = importlib.import_module(target)
-        except ImportError as error:
+        except (Exception, SystemExit) as error:  # not found, a relative name, or its code
             raise UsageError(f"MODEL {spec!r}: cannot import module {target!r}: {error}") from None
     factory = getattr(module, attr, None)
     if factory is None or not callable(factory):
@@ -121,6 +124,7 @@ def _preset_factory(name: str) -> Factory:
 def _load_file(path: Path, spec: str) -> Any:
     if not path.is_file():
         raise UsageError(f"MODEL {spec!r}: no such file {path}")
+    _check_source(path, spec)
     module_name = f"autopar_user_model_{abs(hash(path.resolve()))}"
     loader_spec = importlib.util.spec_from_file_location(module_name, path)
     if loader_spec is None or loader_spec.loader is None:
@@ -129,9 +133,31 @@ def _load_file(path: Path, spec: str) -> Any:
     sys.modules[module_name] = module
     try:
         loader_spec.loader.exec_module(module)
-    except Exception as error:
+    except (Exception, SystemExit) as error:  # the user's code: anything may be raised
         del sys.modules[module_name]
         raise UsageError(
             f"MODEL {spec!r}: importing {path} failed: {type(error).__name__}: {error}"
         ) from None
     return module
+
+
+def _check_source(path: Path, spec: str) -> None:
+    """Refuse a model file too large to be source, or not text in its declared encoding
+    (UTF-8 unless a ``# coding:`` line says otherwise), before Python compiles it: a
+    checkpoint passed by mistake gets a message, not a decoding traceback or minutes of
+    compiling."""
+    try:
+        data = read_bytes(path, MODEL_FILE)
+        decode_text(data, str(path), MODEL_FILE, _source_encoding(data, path))
+    except UsageError as error:
+        raise UsageError(f"MODEL {spec!r}: {error}") from None
+
+
+def _source_encoding(data: bytes, path: Path) -> str:
+    """The encoding Python will read ``data`` in (PEP 263), a BOM being UTF-8's."""
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except SyntaxError as error:
+        decode_text(data, str(path), MODEL_FILE)  # names the first bad byte, if that is it
+        raise UsageError(f"{path}: {error.msg}; {MODEL_FILE.expected}") from None
+    return "utf-8" if encoding == "utf-8-sig" else encoding

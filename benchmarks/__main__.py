@@ -31,6 +31,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from autopar_plans.writes import write_atomic
 from benchmarks import render
 from benchmarks.common import machine
 
@@ -137,7 +138,7 @@ def make_record(
 
 def save(results: Path, name: str, record: dict[str, Any]) -> None:
     results.mkdir(parents=True, exist_ok=True)
-    (results / f"{name}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    write_atomic(results / f"{name}.json", json.dumps(record, indent=1, default=str) + "\n")
 
 
 def measure(name: str, args: argparse.Namespace, stash: dict[str, Any]) -> Any:

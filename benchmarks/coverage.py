@@ -36,6 +36,8 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from autopar_plans.writes import write_atomic
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "cpu" / "coverage.json"
 REPORT = ROOT / "docs" / "coverage.md"
@@ -309,9 +311,7 @@ def _why(row: dict[str, Any]) -> str:
 
 def _write(path: Path, text: str) -> None:
     """Whole or not at all."""
-    partial = path.with_suffix(path.suffix + ".partial")
-    partial.write_text(text)
-    partial.replace(path)
+    write_atomic(path, text)
 
 
 def main(argv: list[str] | None = None) -> None:

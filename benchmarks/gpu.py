@@ -45,6 +45,7 @@ from autopar_examples.models import build
 from autopar_passes.annotation import META_KEY
 from autopar_passes.rewrites.aligned_linear import aligned_linear
 from autopar_passes.trace import trace
+from autopar_plans.writes import write_atomic
 from benchmarks.render import profile_table
 
 aten = torch.ops.aten
@@ -294,9 +295,9 @@ def main() -> int:
 
     calibrated = calibrate(name="calibrated", quick=True).preset
     args.out.mkdir(parents=True, exist_ok=True)
-    from autopar_cost_model.hardware import save_preset
+    from autopar_cost_model.hardware import dump_preset
 
-    save_preset(calibrated, args.out / "calibrated.yaml")
+    write_atomic(args.out / "calibrated.yaml", dump_preset(calibrated))
     presets = {
         "preset": load_preset(args.preset if not args.cpu else "cpu"),
         "calibrated": calibrated,
@@ -364,7 +365,7 @@ def main() -> int:
     report["memory_limited"] = memory_limited(
         model, tokens, targets, device, mesh, 2 / 3 * unlimited, args.steps
     ) | {"unlimited_planned_bytes": unlimited}
-    (args.out / "gpu.json").write_text(json.dumps(report, indent=2))
+    write_atomic(args.out / "gpu.json", json.dumps(report, indent=2))
 
     print(
         f"# {report['device']}: {name}, {report['model']['parameters'] / 1e9:.2f}B "

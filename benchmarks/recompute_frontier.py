@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt
 import autopar
 from autopar_examples.models import build
 from autopar_plans import InfeasiblePlanError
+from benchmarks.render import save_figure
 
 LIMITS_GIB = [80, 40, 24, 16, 12, 10, 8, 7, 6, 5, 4]
 
@@ -81,7 +82,7 @@ def main() -> None:
     axes.set_title("gpt3-1.3b on 8 x H100: memory limit against step time")
     axes.grid(alpha=0.3)
     figure.tight_layout()
-    figure.savefig(args.out)
+    save_figure(figure, args.out)
     print()
     print(f"plot: {args.out}")
 

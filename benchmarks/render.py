@@ -8,11 +8,13 @@ written afresh, keeping only a ``## Mixture-of-experts`` section if it has one.
 
 from __future__ import annotations
 
+import io
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from autopar_plans.writes import write_atomic
 from benchmarks.common import describe_machine
 
 SECTIONS = (
@@ -931,8 +933,17 @@ def _moe_section(old: str | None) -> str:
 
 
 def write(path: Path, records: dict[str, Any]) -> None:
+    """Rewrite the document at ``path`` from ``records``, whole or not at all (the
+    hand-written sections of the old document are kept)."""
     old = path.read_text() if path.exists() else None
-    path.write_text(document(records, old))
+    write_atomic(path, document(records, old))
+
+
+def save_figure(figure: Any, path: Path) -> None:
+    """``figure`` as a PNG at ``path``, drawn in memory then written whole or not at all."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    write_atomic(path, buffer.getvalue())
 
 
 # ---- plots -----------------------------------------------------------------------------------
@@ -969,7 +980,7 @@ def plots(records: dict[str, Any], root: Path) -> list[str]:
         axes.grid(alpha=0.3)
         axes.legend(fontsize=8)
         figure.tight_layout()
-        figure.savefig(root / DEPTH_PNG)
+        save_figure(figure, root / DEPTH_PNG)
         plt.close(figure)
         written.append(DEPTH_PNG)
     grid = [r for r in data["grid"] if r.get("status") == "ok"]
@@ -991,7 +1002,7 @@ def plots(records: dict[str, Any], root: Path) -> list[str]:
         axes.grid(alpha=0.3)
         axes.legend(fontsize=7)
         figure.tight_layout()
-        figure.savefig(root / MESH_PNG)
+        save_figure(figure, root / MESH_PNG)
         plt.close(figure)
         written.append(MESH_PNG)
     return written

@@ -37,8 +37,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from autopar_plans.errors import PresetError, UsageError
+from autopar_plans.files import PRESET_FILE, parse_yaml, read_text, require_file
 from autopar_plans.io import describe_validation_error
 from autopar_plans.units import parse_bytes
+from autopar_plans.writes import write_atomic
 
 PRESET_PATH_ENV = "AUTOPAR_PRESET_PATH"
 USER_PRESET_DIR = Path("~/.config/autopar/presets")
@@ -301,9 +303,7 @@ def load_preset(name_or_path: str | Path) -> DevicePreset:
     """
     text = str(name_or_path)
     if isinstance(name_or_path, Path) or text.endswith(PRESET_SUFFIXES) or os.sep in text:
-        path = Path(text).expanduser()
-        if not path.is_file():
-            raise PresetError(f"{path}: no such preset file")
+        path = require_file(Path(text).expanduser(), PRESET_FILE)
         return _read_preset(str(path.resolve()), path.stat().st_mtime_ns, None)
     files = preset_files()
     if text not in files:
@@ -330,10 +330,7 @@ def unknown_preset_message(name: str, known: list[str]) -> str:
 def _read_preset(path: str, mtime_ns: int, expected_name: str | None) -> DevicePreset:
     """Parse one preset file; cached by path and modification time (a pure function of both)."""
     del mtime_ns  # part of the cache key only: an edited file is read again
-    try:
-        data: Any = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as err:
-        raise PresetError(f"{path}: cannot read the preset: {err}") from None
+    data: Any = parse_yaml(read_text(path, PRESET_FILE), path, PRESET_FILE)
     if not isinstance(data, dict):
         raise PresetError(
             f"{path}: a preset file holds a mapping of fields, found {type(data).__name__}"
@@ -362,5 +359,5 @@ def save_preset(preset: DevicePreset, path: str | Path, header: str = "") -> Pat
     """Write ``preset`` as YAML to ``path`` (parents created); returns the path."""
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dump_preset(preset, header))
+    write_atomic(path, dump_preset(preset, header))  # an interrupted write keeps the old one
     return path

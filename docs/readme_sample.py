@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from autopar_plans.writes import write_atomic
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 COMMAND = "plan llama3-8b --cluster 2x8 --device h100-sxm --global-batch 64 --precision bf16_mixed"
 SHOWN = ("llama3-8b on ", "memory per device", "pipeline stages")  # the tables kept
@@ -62,9 +64,7 @@ def main(argv: list[str]) -> int:
             print(f"{README.name}: the sample output is stale: run {Path(__file__).name}")
             return 1
         return 0
-    temporary = README.with_suffix(".md.tmp")
-    temporary.write_text(splice(readme, block))
-    temporary.replace(README)  # whole or not at all
+    write_atomic(README, splice(readme, block))  # whole or not at all
     return 0
 
 

@@ -52,6 +52,7 @@ from pydantic import model_validator as _model_validator
 
 from autopar_plans.compression import GradCompression
 from autopar_plans.errors import HintError, InfeasiblePlanError, UsageError
+from autopar_plans.files import HINT_FILE, parse_yaml_tree, read_text
 from autopar_plans.units import parse_bytes
 
 BanKind = Literal["tensor_parallel", "fsdp", "sequence_parallel", "data_parallel"]
@@ -388,22 +389,16 @@ def closest_names(pattern: str, names: Iterable[str], count: int = 3) -> list[st
 
 def load_hints(path: str | Path) -> Hints:
     """Read and validate a hint file; errors name the file and the line."""
-    path = Path(path)
-    if not path.is_file():
-        raise HintError(f"{path}: no such hint file")
-    return hints_from_text(path.read_text(), str(path))
+    return hints_from_text(read_text(path, HINT_FILE), str(path))
 
 
 def hints_from_text(text: str, source: str = "<hints>") -> Hints:
-    """Validate hints written as YAML text, keeping the line of every key."""
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark is not None else source
-        problem = getattr(error, "problem", None) or str(error)
-        raise HintError(f"{where}: not valid YAML: {problem}") from None
+    """Validate hints written as YAML text, keeping the line of every key.
+
+    Any text ends in ``Hints`` or one ``HintError``: the YAML is read with limits on size,
+    nesting and aliases (``autopar_plans.files``), so a bomb is refused, not expanded.
+    """
+    data, node = parse_yaml_tree(text, source, HINT_FILE)
     lines: dict[KeyPath, int] = {}
     if node is not None:
         _record_lines(node, (), lines, source)

@@ -15,7 +15,9 @@ import yaml
 from pydantic import ValidationError
 
 from autopar_plans.errors import PlanFileError
+from autopar_plans.files import PLAN_FILE, parse_json, parse_yaml, read_text
 from autopar_plans.plan import PLAN_VERSION, Plan
+from autopar_plans.writes import write_atomic
 
 Format = Literal["json", "yaml"]
 
@@ -29,26 +31,28 @@ def dump_plan(plan: Plan, fmt: Format = "json") -> str:
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:
+    """Write ``plan`` as YAML (``.yaml``, ``.yml``) or JSON, whole or not at all
+    (``autopar_plans.writes``): a failed write leaves the old file, or none."""
     path = Path(path)
     fmt: Format = "yaml" if path.suffix in (".yaml", ".yml") else "json"
-    path.write_text(dump_plan(plan, fmt))
+    write_atomic(path, dump_plan(plan, fmt))
 
 
 def load_plan_text(text: str, fmt: Format, source: str = "<text>") -> Plan:
-    try:
-        data = json.loads(text) if fmt == "json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as err:
-        raise PlanFileError(f"{source}: not valid {fmt.upper()}: {err}") from None
+    """A plan from JSON or YAML text; any text ends in a plan or one ``PlanFileError``
+    (size, nesting, alias and integer limits as for files: ``autopar_plans.files``)."""
+    if fmt == "json":
+        data = parse_json(text, source, PLAN_FILE)
+    else:
+        data = parse_yaml(text, source, PLAN_FILE)
     return plan_from_dict(data, source)
 
 
 def load_plan(path: str | Path) -> Plan:
     """Read a plan file (``.json``, ``.yaml`` or ``.yml``)."""
     path = Path(path)
-    if not path.is_file():
-        raise PlanFileError(f"{path}: no such plan file")
     fmt: Format = "yaml" if path.suffix in (".yaml", ".yml") else "json"
-    return load_plan_text(path.read_text(), fmt, str(path))
+    return load_plan_text(read_text(path, PLAN_FILE), fmt, str(path))
 
 
 def plan_from_dict(data: Any, source: str = "<plan>") -> Plan:

@@ -9,10 +9,14 @@ code  meaning
 0     success
 1     internal error (a bug in autopar: please report it)
 2     usage error: a bad argument, MODEL string, mesh, plan or hint
-      file (a hint error names the file, the line and the hint)
+      file (a hint error names the file, the line and the hint), a plan
+      at odds with itself or with the model or mesh, a path that
+      cannot be written
 3     infeasible: no plan fits the memory limit or the hints
       (conflicting hints are named with their file and line)
 4     untraceable model: torch.export could not trace it
+130   interrupted (Ctrl-C): one line; the console script
+      (``autopar_entry``) also covers the imports before ``main``
 ====  =====================================================
 """
 
@@ -41,6 +45,7 @@ EXIT_INTERNAL = 1
 EXIT_USAGE = 2
 EXIT_INFEASIBLE = 3
 EXIT_UNTRACEABLE = 4
+EXIT_INTERRUPTED = 130
 
 SUBCOMMANDS = (demo, plan, show, explain, diff, codegen, devices, calibrate)
 
@@ -91,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_code(error)
     except KeyboardInterrupt:
         print("autopar: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autopar_cost_model.hardware import USER_PRESET_DIR, save_preset
+from autopar_cost_model.hardware import USER_PRESET_DIR, dump_preset
 from autopar_plans.errors import UsageError
+from autopar_plans.writes import cannot_write, write_atomic
 
 if TYPE_CHECKING:
     from autopar_cost_model.calibrate import Calibration
@@ -84,12 +85,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--name {name!r}: give a plain name such as 'my-cluster'; use -o for the file"
         )
+    output = Path(args.output or USER_PRESET_DIR.expanduser() / f"{name}.yaml").expanduser()
+    make_folder(output)  # before measuring: a bad -o fails in a second, not a minute
     result = calibrate(
         name=name, quick=args.quick, collectives=not args.skip_collectives, ranks=args.ranks
     )
     result = with_in_step(result)
-    output = args.output or USER_PRESET_DIR.expanduser() / f"{name}.yaml"
-    path = save_preset(result.preset, output, header="\n".join(result.notes))
+    path = write_atomic(output, dump_preset(result.preset, "\n".join(result.notes)))
     width = max(len(label) for label, _ in summary_rows(result.preset))
     print(f"preset {result.preset.name!r}: {result.preset.description}")
     for label, value in summary_rows(result.preset):
@@ -99,3 +101,11 @@ def run(args: argparse.Namespace) -> int:
     how = f"--device {name}" if args.output is None else f"--device {path}"
     print(f"wrote {path}; plan with it by passing {how}")
     return 0
+
+
+def make_folder(output: Path) -> None:
+    """Create the preset's folder (and its parents), or say in one line why not."""
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(cannot_write(output, error)) from None

@@ -22,7 +22,9 @@ from autopar_passes.lower_spmd import lower_spmd
 from autopar_passes.lower_stages import iter_stage_codes, locate, split_stages, stage_mesh
 from autopar_passes.trace import trace
 from autopar_plans.errors import UsageError
-from autopar_plans.io import load_plan
+from autopar_plans.mesh import MeshSpec
+from autopar_plans.plan import Plan
+from autopar_plans.validate import check_plan_against, load_checked_plan
 
 
 def add_parser(subparsers: Any) -> None:
@@ -49,23 +51,14 @@ def run(args: argparse.Namespace) -> int:
     mesh = mesh_from_args(args)
     if not 0 <= args.rank < mesh.size:
         raise UsageError(f"--rank {args.rank}: the mesh has ranks 0..{mesh.size - 1}")
+    given = _given_plan(args.plan, mesh, bool(args.axes)) if args.plan else None
     model, inputs, name = build_model(args.model, parse_config(args.config), meta=True)
-    if args.plan:
-        plan = load_plan(args.plan)
-    else:
-        options = {
-            "global_batch": args.global_batch,
-            "stages": args.stages,
-            "schedule": args.schedule,
-            "microbatches": args.microbatches,
-            "chunks": args.chunks,
-        }
-        given = {k: v for k, v in options.items() if v is not None}
-        plan = autopar.plan(model, mesh, inputs, name=name, **given)
-        for warning in plan.warnings:
-            print(f"autopar codegen: warning: {warning}", file=sys.stderr)
+    plan = given if given is not None else _plan(model, mesh, inputs, name, args)
     # the program runs one microbatch: trace at its size
     traced = trace(model, microbatch_inputs(inputs, example_batch(inputs), plan.microbatch_size))
+    if given is not None:
+        shapes = {param: info.shape for param, info in traced.params.items()}
+        check_plan_against(plan, args.plan, params=shapes)
     layouts = PlanLayouts(traced, plan)
     place = locate(plan, args.rank)
     lowered = lower_spmd(traced, layouts.strategy, layouts.layout, stage_mesh(plan), place.coords)
@@ -87,3 +80,34 @@ def run(args: argparse.Namespace) -> int:
     mine = [programs[index] for index in place.stages]
     print(header + "\n\n".join(iter_stage_codes(mine)))
     return 0
+
+
+def _given_plan(path: str, mesh: MeshSpec, named: bool) -> Plan:
+    """The ``--plan`` file, checked on its own and against the ``--mesh`` given."""
+    plan = load_checked_plan(path)
+    check_plan_against(plan, path, mesh=_named_as(mesh, plan, named))
+    return plan
+
+
+def _plan(model: Any, mesh: MeshSpec, inputs: Any, name: str, args: argparse.Namespace) -> Plan:
+    """Plan the model anew, with the planning options given; its warnings on stderr."""
+    options = {
+        "global_batch": args.global_batch,
+        "stages": args.stages,
+        "schedule": args.schedule,
+        "microbatches": args.microbatches,
+        "chunks": args.chunks,
+    }
+    given = {k: v for k, v in options.items() if v is not None}
+    plan = autopar.plan(model, mesh, inputs, name=name, **given)
+    for warning in plan.warnings:
+        print(f"autopar codegen: warning: {warning}", file=sys.stderr)
+    return plan
+
+
+def _named_as(mesh: MeshSpec, plan: Plan, named: bool) -> MeshSpec:
+    """The mesh to hold the plan to: as given, or, where ``--axes`` was left out, with the
+    plan's axis names (``--mesh 2x2`` then means the plan's 2 x 2, whatever its names)."""
+    if named or len(mesh.shape) != len(plan.mesh.shape):
+        return mesh
+    return mesh.model_copy(update={"axis_names": plan.mesh.axis_names})

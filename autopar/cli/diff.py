@@ -18,10 +18,10 @@ from rich.table import Table
 
 from autopar.cli.render import console
 from autopar.report.views import ranges
-from autopar_plans.io import load_plan
 from autopar_plans.placement import format_spec
 from autopar_plans.plan import Plan
 from autopar_plans.units import format_bytes, format_seconds
+from autopar_plans.validate import load_checked_plan
 
 ESTIMATES: tuple[tuple[str, str], ...] = (
     ("step time", "step_time_s"),
@@ -47,7 +47,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    a, b = load_plan(args.a), load_plan(args.b)
+    a, b = load_checked_plan(args.a), load_checked_plan(args.b)
     changes = plan_diff(a, b)
     if args.format == "json":
         print(json.dumps(changes, indent=2, sort_keys=True))

@@ -27,9 +27,9 @@ from autopar_passes.hints import resolve_hints
 from autopar_passes.trace import trace
 from autopar_plans.errors import UsageError
 from autopar_plans.hints import load_hints
-from autopar_plans.io import load_plan
 from autopar_plans.plan import Plan
 from autopar_plans.units import format_bytes, format_seconds
+from autopar_plans.validate import check_plan_against, load_checked_plan
 
 
 def add_parser(subparsers: Any) -> None:
@@ -62,7 +62,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = load_plan(args.plan)
+    plan = load_checked_plan(args.plan)
     if args.target == "gradients":
         return _gradients(plan, args.format)
     source = args.model or plan.model
@@ -77,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
                 "pass --model (and --config) as given to autopar plan"
             ) from None
         traced = trace(model, inputs)
+        shapes = {name: info.shape for name, info in traced.params.items()}
+        check_plan_against(plan, str(args.plan), params=shapes)
         hints = resolve_hints(load_hints(args.hints), traced, plan.mesh) if args.hints else None
         result = explain(plan, traced, args.target, hints)
     if args.format == "json":

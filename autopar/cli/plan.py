@@ -23,6 +23,7 @@ from autopar_cost_model.memory import OPTIMIZERS
 from autopar_plans.compression import SCHEMES
 from autopar_plans.io import dump_plan, save_plan
 from autopar_plans.plan import Plan
+from autopar_plans.writes import check_writable
 
 
 def add_model_arguments(parser: Any) -> None:
@@ -122,6 +123,9 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         require_matplotlib()
     mesh = mesh_from_args(args)
+    for written in (args.output, args.report):
+        if written is not None:
+            check_writable(written)  # before minutes of planning, not after
     options: dict[str, Any] = {
         "global_batch": args.global_batch,
         "memory_limit": args.memory,

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.cli.plan import add_output_arguments, print_plan
-from autopar_plans.io import load_plan
+from autopar_plans.validate import load_checked_plan
 
 
 def add_parser(subparsers: Any) -> None:
@@ -26,4 +26,4 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return print_plan(load_plan(args.plan), args)
+    return print_plan(load_checked_plan(args.plan), args)

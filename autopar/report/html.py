@@ -21,6 +21,7 @@ from autopar.report.figures import overview_figure, single_figure
 from autopar.report.views import layout_rows, memory_bars, plan_mesh_axes, ranges, time_rows
 from autopar_plans.plan import Plan
 from autopar_plans.units import format_bytes, format_seconds
+from autopar_plans.writes import write_atomic
 
 STYLE = """
 body { font: 14px/1.45 -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; color: #222;
@@ -40,12 +41,17 @@ img { max-width: 100%; border: 1px solid #eee; }
 
 
 def write_report(plan: Plan, path: str | Path) -> tuple[Path, Path]:
-    """Write ``path`` (HTML) and the PNG beside it; returns both paths."""
+    """Write ``path`` (HTML) and the PNG beside it; returns both paths.
+
+    Both are drawn in memory first and then each written whole or not at all
+    (``autopar_plans.writes``), so a failure while drawing leaves both files as they were.
+    """
     path = Path(path)
     png = path.with_suffix(".png")
-    overview = overview_figure(plan)
-    _save(overview, png)
-    path.write_text(report_html(plan))
+    picture = _png(overview_figure(plan))
+    page = report_html(plan)
+    write_atomic(png, picture)
+    write_atomic(path, page)
     return path, png
 
 
@@ -104,16 +110,15 @@ def _solver_line(plan: Plan) -> str:
 
 
 def _image(figure: Figure, alt: str) -> str:
-    buffer = io.BytesIO()
-    FigureCanvasAgg(figure)
-    figure.savefig(buffer, format="png")
-    data = base64.b64encode(buffer.getvalue()).decode("ascii")
+    data = base64.b64encode(_png(figure)).decode("ascii")
     return f'<p><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}"></p>'
 
 
-def _save(figure: Figure, path: Path) -> None:
+def _png(figure: Figure) -> bytes:
+    buffer = io.BytesIO()
     FigureCanvasAgg(figure)
-    figure.savefig(path, format="png")
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
 
 
 def _table(header: list[str], rows: list[list[str]], numeric: set[int]) -> str:

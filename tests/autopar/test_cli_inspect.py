@@ -148,7 +148,11 @@ def test_diff_lists_parallelism_estimate_and_changed_layouts(planned):
     params = dict(a.params)
     name = "layers.1.mlp.up_proj.weight"
     params[name] = params[name].model_copy(
-        update={"param": Layout(Shard(0), Shard(0)), "optimizer": Layout(Shard(0), Shard(0))}
+        update={
+            "param": Layout(Shard(0), Shard(0)),
+            "grad": Layout(Shard(0), Shard(0)),
+            "optimizer": Layout(Shard(0), Shard(0)),
+        }
     )
     b = a.model_copy(
         update={

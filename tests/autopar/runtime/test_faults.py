@@ -31,7 +31,7 @@ def test_a_rank_whose_call_raises_is_named_with_its_error_by_the_others() -> Non
     for seen in _others(outcomes):
         assert seen["rank_failed"], seen
         assert f"rank {FAILING} failed: ValueError: boom: a bug on this rank" in seen["message"]
-        assert seen["seconds"] < 30  # not the process group's timeout
+        assert seen["seconds"] < 120  # not the process group's 30 minutes (a hang's bound)
 
 
 def test_a_killed_rank_is_named_by_the_others() -> None:
