@@ -249,9 +249,12 @@ def fingerprints(tensors: list[Any]) -> Any:
     order or its shape differ: the values weighted by their position (a plain sum misses
     a shuffled batch), plus the shape. Cheap: one pass over each tensor."""
     found = []
-    for tensor in tensors:
-        flat = tensor.detach().reshape(-1).to("cpu", torch.float64).nan_to_num(0.0, 1e300, -1e300)
-        weights = torch.arange(flat.numel(), dtype=torch.float64).remainder_(1009).add_(1)
+    for given in tensors:
+        tensor = given.detach() if given.requires_grad else given
+        # on the tensor's own device: only the sum comes back to the host
+        flat = tensor.double().reshape(-1).nan_to_num(0.0, 1e300, -1e300)
+        weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device)
+        weights.remainder_(1009).add_(1)
         shape = sum((i + 1) * 1e6 * size for i, size in enumerate(tensor.shape))
         found.append(float((flat * weights).sum()) + shape)
     return torch.tensor(found, dtype=torch.float64)
