@@ -411,7 +411,7 @@ def _build(
         shapes = {name: info.shape for name, info in traced.params.items()}
         check_plan_against(chosen, source, params=shapes)
     if chosen.parallelism.pp > 1:
-        device_mesh = pipeline_mesh(chosen, device.type)
+        device_mesh = pipeline_mesh(chosen, device.type, timeout)
     _seed_alike(device)
     compiled = CompiledModel(
         model,

@@ -57,7 +57,7 @@ def _init_default_group(backend: str, timeout_s: float | None) -> None:
     )
 
 
-def _with_timeout(device_type: str, ndim: int, timeout_s: float | None) -> dict[int, Any] | None:
+def with_timeout(device_type: str, ndim: int, timeout_s: float | None) -> dict[int, Any] | None:
     """``init_device_mesh``'s per-axis backend options that set the groups' timeout."""
     if not timeout_s:
         return None
@@ -125,7 +125,7 @@ class Mesh(MeshSpec):
             device_type,
             self.shape,
             mesh_dim_names=self.axis_names,
-            backend_override=_with_timeout(device_type, self.ndim, timeout_s),
+            backend_override=with_timeout(device_type, self.ndim, timeout_s),
         )
 
     @classmethod

@@ -1003,7 +1003,11 @@ class CompiledModel(nn.Module):
         names = self._stage_programs[0].user_inputs
         kwargs = {name: self._prepare_value(leaf) for name, leaf in zip(names, leaves, strict=True)}
         self._zero.gather()
-        with self.precision.autocast(self.device.type):
+        # torch's schedule sends and receives by itself: a lost stage is named here
+        with (
+            self._faults.guard("the pipeline's sends and receives"),
+            self.precision.autocast(self.device.type),
+        ):
             loss = self._runner.step(kwargs, targets)
         self._shared_sync.sync_all()
         self._tied.sum(self._grad_of)

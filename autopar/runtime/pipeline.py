@@ -47,6 +47,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from autopar.mesh import with_timeout
 from autopar.runtime.comm import AxisGroup, CommLog
 from autopar_passes.lower_spmd import LoweredGraph, local_shard
 from autopar_passes.lower_stages import StageProgram, pipeline_mesh_spec, stage_mesh
@@ -57,10 +58,16 @@ from autopar_plans.plan import Parallelism, Plan
 Loss = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
-def pipeline_mesh(plan: Plan, device_type: str) -> DeviceMesh:
-    """The process groups of a pipeline plan (collective: every rank calls it)."""
+def pipeline_mesh(plan: Plan, device_type: str, timeout_s: float | None = None) -> DeviceMesh:
+    """The process groups of a pipeline plan (collective: every rank calls it), their
+    collectives waiting at most ``timeout_s`` (``runtime.faults``)."""
     spec = pipeline_mesh_spec(plan)
-    return init_device_mesh(device_type, spec.shape, mesh_dim_names=spec.axis_names)
+    return init_device_mesh(
+        device_type,
+        spec.shape,
+        mesh_dim_names=spec.axis_names,
+        backend_override=with_timeout(device_type, spec.ndim, timeout_s),
+    )
 
 
 def schedule_to_run(parallelism: Parallelism) -> str:

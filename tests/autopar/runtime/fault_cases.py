@@ -70,3 +70,27 @@ def different_batches(rank: int, world: int) -> dict[str, Any]:
     except AutoparError as error:
         return {"type": type(error).__name__, "message": str(error)}
     return {"type": None}
+
+
+def pipeline_rank_killed(rank: int, world: int) -> dict[str, Any]:
+    """gpt-tiny in two pipeline stages of a 2x2 mesh; rank 2 (the second stage) SIGKILLs
+    itself before the step. The first stage's ranks run ``train_step``."""
+    torch.manual_seed(0)
+    model, (tokens,) = build("gpt-tiny", batch_size=4)
+    compiled = autopar.compile(
+        model,
+        autopar.Mesh((2, 2), ("dp", "tp"), device="cpu"),
+        example_inputs=(tokens,),
+        loss_fn=lambda logits, target: logits.float().mean() * 0 + target.float().mean(),
+        force="dp",
+        stages=2,
+        microbatches=2,
+        timeout=60,
+    )
+    if rank == FAILING:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        compiled.train_step(tokens, tokens)
+    except AutoparError as error:
+        return {"type": type(error).__name__, "message": str(error)}
+    return {"type": None}

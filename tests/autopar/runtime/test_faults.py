@@ -11,7 +11,12 @@ from typing import Any
 import pytest
 
 from autopar.testing.ranks import run_ranks, run_ranks_outcomes
-from tests.autopar.runtime.fault_cases import FAILING, different_batches, one_rank_fails
+from tests.autopar.runtime.fault_cases import (
+    FAILING,
+    different_batches,
+    one_rank_fails,
+    pipeline_rank_killed,
+)
 
 pytestmark = pytest.mark.multirank
 
@@ -55,3 +60,11 @@ def test_ranks_given_different_batches_are_told_which() -> None:
     for seen in run_ranks(different_batches, 4):
         assert seen["type"] == "UsageError"
         assert "rank(s) 3 were given other inputs than rank 0" in seen["message"]
+
+
+def test_a_killed_pipeline_stage_is_named_by_the_others() -> None:
+    # torch's pipeline schedule sends and receives by itself; its failure is explained too
+    outcomes = run_ranks_outcomes(pipeline_rank_killed, 4)
+    for seen in _others(outcomes):
+        assert seen["type"] == "RankFailedError", seen
+        assert f"rank {FAILING} was killed" in seen["message"]
