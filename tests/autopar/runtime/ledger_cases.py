@@ -118,7 +118,11 @@ def observed_and_planned(
                     "params": _nbytes(p for p in compiled.parameters() if id(p) not in masters)
                     + _nbytes(z.working for z in zero),
                     "grads": held_grads.most,
-                    "optimizer": _nbytes(z.master for z in zero)
+                    # the compression scheme's state (error feedback, PowerSGD's Q) too,
+                    # which the plan counts with the optimizer's
+                    "optimizer": compiled._sync.compression_state_bytes()
+                    + compiled._shared_sync.compression_state_bytes()
+                    + _nbytes(z.master for z in zero)
                     + _nbytes(
                         t
                         for state in optimizer.state.values()

@@ -74,6 +74,13 @@ PIPELINE_CASES: dict[str, dict[str, Any]] = {
         "microbatches": 4,
         "precision": "bf16_mixed",
     },
+    # PowerSGD inside a pipeline: each stage's buckets compressed in its last backward
+    "gpt/pp/1f1b/dp/powersgd": {
+        "force": "dp",
+        "stages": 2,
+        "microbatches": 4,
+        "options": {"grad_compression": "powersgd"},
+    },
     # four layers: two chunks of one layer per device, the last handing back to the first
     "gpt/pp/interleaved": {
         "force": "dp",
