@@ -165,6 +165,32 @@ class SharedCores(_Strict):
         return share / min(1.0, self.cores / self.ranks)
 
 
+class HostLink(_Strict):
+    """The host a node's devices hang off: its memory and the link each device reaches it
+    by (PCIe, NVLink-C2C), what offloading optimizer state, parameters or activations to
+    the CPU is priced with (``autopar_cost_model.host``)."""
+
+    memory_bytes: float = Field(gt=0, description="Host memory per node, bytes.")
+    memory_bandwidth: float = Field(
+        gt=0, description="Peak host memory bandwidth per node (all sockets), bytes/s."
+    )
+    to_device: float = Field(gt=0, description="Host-to-device bytes/s per device, peak.")
+    from_device: float = Field(gt=0, description="Device-to-host bytes/s per device, peak.")
+    latency: float = Field(0.0, ge=0, description="Seconds per copy, fixed.")
+    efficiency: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="Of the link's peak that pinned copies reach (an assumption until "
+        "``autopar calibrate`` measures it on a GPU).",
+    )
+
+    @field_validator("memory_bytes", mode="before")
+    @classmethod
+    def _size_with_unit(cls, value: Any) -> Any:
+        return parse_bytes(value) if isinstance(value, str) else value
+
+
 class DevicePreset(_Strict):
     """One device type and the node it sits in. All figures per device, in bytes and seconds.
 
@@ -218,6 +244,11 @@ class DevicePreset(_Strict):
         description="Where the figures were measured by several CPU ranks sharing fewer "
         "cores: the ranks and the cores. A pipeline's devices that wait in its bubble leave "
         "their cores to the busy ones (``autopar_cost_model.schedule``). None: a device each.",
+    )
+    host: HostLink | None = Field(
+        None,
+        description="The node's host memory and the device-host link (offload); None: "
+        "not known for this preset.",
     )
     efficiency: Efficiency
 
