@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 
 import autopar
+from autopar.report.gradients import sync_entries
 from autopar.testing.ranks import run_ranks
-from autopar_plans.ledger import CommEntry
 from benchmarks.common import build_with_loss
 
 MODEL = {"name": "llama3-8b", "n_layer": 8, "seq_len": 2048}
@@ -63,10 +63,6 @@ POLICIES: tuple[tuple[str, dict[str, Any]], ...] = (
 SLEEP = 0.05
 BLOCK = 4  # steps per timed block: local SGD's period
 ROUNDS = 6
-
-
-def _sync_entries(entries: tuple[CommEntry, ...]) -> list[CommEntry]:
-    return [e for e in entries if e.what.startswith(("gradient sync", "local SGD"))]
 
 
 def planned(quick: bool) -> list[dict[str, Any]]:
@@ -92,7 +88,7 @@ def planned(quick: bool) -> list[dict[str, Any]]:
             precision="fp32" if quick else "bf16_mixed",
             **options,
         )
-        sync = _sync_entries(plan.estimate.comm)
+        sync = sync_entries(plan.estimate.comm)
         rows.append(
             {
                 "policy": label,

@@ -32,7 +32,6 @@ tensor([[2.7000, 2.7000],
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +41,7 @@ from autopar.optim.layerwise import (
     GroupWork,
     LayerwiseOptimizer,
     as_whole,
+    by_group,
     is_bias_or_norm,
     local_params,
     trust_ratio,
@@ -77,15 +77,7 @@ class LAMB(LayerwiseOptimizer):
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults, exclude)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One step of every parameter that has a gradient. Collective on a sharded model:
-        the norms are summed over the shards, one small all-reduce per mesh axis."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        works = self.prepare()
+    def _step(self, works: list[GroupWork]) -> None:
         updates = [self._updates(work) for work in works]
         adapted = [p for work in works for p in work.adapted]
         wholes = [
@@ -95,16 +87,16 @@ class LAMB(LayerwiseOptimizer):
         ]
         norms = global_norms(adapted + wholes)
         weight_norms, update_norms = norms[: len(adapted)], norms[len(adapted) :]
-        start = 0
-        for work, group_updates in zip(works, updates, strict=True):
-            count = len(work.adapted)
-            ratios = _ratios(
-                weight_norms[start : start + count], update_norms[start : start + count]
-            )
+        for work, group_updates, weights, sizes in zip(
+            works,
+            updates,
+            by_group(works, weight_norms),
+            by_group(works, update_norms),
+            strict=True,
+        ):
+            ratios = _ratios(weights, sizes)
             self.record(work, ratios)
             _apply(work, group_updates, ratios)
-            start += count
-        return loss
 
     def _updates(self, work: GroupWork) -> list[torch.Tensor]:
         """Move the moments and return ``r`` for each of the group's parameters (adapted

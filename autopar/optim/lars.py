@@ -28,7 +28,6 @@ tensor([[0.5000, 0.5000],
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ from autopar.optim.layerwise import (
     ExcludeRule,
     GroupWork,
     LayerwiseOptimizer,
+    by_group,
     is_bias_or_norm,
     local_params,
     trust_ratio,
@@ -78,26 +78,14 @@ class LARS(LayerwiseOptimizer):
         }
         super().__init__(params, defaults, exclude)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One step of every parameter that has a gradient. Collective on a sharded model:
-        the norms are summed over the shards, one small all-reduce per mesh axis."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        works = self.prepare()
+    def _step(self, works: list[GroupWork]) -> None:
         adapted = [p for work in works for p in work.adapted]
         norms = global_norms(adapted + [work.grad(p) for work in works for p in work.adapted])
         weight_norms, grad_norms = norms[: len(adapted)], norms[len(adapted) :]
-        start = 0
-        for work in works:
-            count = len(work.adapted)
-            self._step_group(
-                work, weight_norms[start : start + count], grad_norms[start : start + count]
-            )
-            start += count
-        return loss
+        for work, weights, grads in zip(
+            works, by_group(works, weight_norms), by_group(works, grad_norms), strict=True
+        ):
+            self._step_group(work, weights, grads)
 
     def _step_group(
         self, work: GroupWork, weight_norms: list[torch.Tensor], grad_norms: list[torch.Tensor]

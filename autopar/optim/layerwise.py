@@ -89,6 +89,15 @@ class GroupWork:
         return [local_of(self.grad(p)) for p in params]
 
 
+def by_group(works: list[GroupWork], values: list[Any]) -> list[list[Any]]:
+    """``values``, one per adapted parameter of ``works`` laid end to end, cut per group."""
+    found, start = [], 0
+    for work in works:
+        found.append(values[start : start + len(work.adapted)])
+        start += len(work.adapted)
+    return found
+
+
 def local_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """This rank's shards of ``params``, which an in-place op updates in the parameter."""
     return [local_of(p) for p in params]
@@ -113,8 +122,9 @@ def trust_ratio(
 class LayerwiseOptimizer(torch.optim.Optimizer):
     """An optimizer whose parameters each get a trust ratio, unless excluded (module doc).
 
-    Subclasses implement ``step``; this class splits the groups (``prepare``), records the
-    ratios (``record``) and reports them (``trust_ratios``).
+    Subclasses implement ``_step`` (one step of the groups' work); this class runs the
+    closure, splits the groups (``prepare``), records the ratios (``record``) and reports
+    them (``trust_ratios``).
     """
 
     def __init__(
@@ -125,6 +135,20 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     ) -> None:
         self.exclude_rule = exclude
         super().__init__(params, {**defaults, "exclude": None})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One step of every parameter that has a gradient. Collective on a sharded model:
+        the norms are summed over the shards, one small all-reduce per mesh axis."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step(self.prepare())
+        return loss
+
+    def _step(self, works: list[GroupWork]) -> None:
+        raise NotImplementedError
 
     def excluded(self, group: dict[str, Any], param: torch.Tensor) -> bool:
         """Whether ``param`` gets no trust ratio and no weight decay."""

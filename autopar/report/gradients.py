@@ -105,10 +105,11 @@ def _cost(name: str, plan: Plan, policy: GradReduction) -> PolicyCost:
 
 def _planned_exposed(plan: Plan) -> float:
     """The exposed seconds of the plan's own gradient sum, as its ledger has them."""
-    return sum(e.exposed_s for e in _sync_entries(plan.estimate.comm))
+    return sum(e.exposed_s for e in sync_entries(plan.estimate.comm))
 
 
-def _sync_entries(entries: Sequence[CommEntry]) -> list[CommEntry]:
+def sync_entries(entries: Sequence[CommEntry]) -> list[CommEntry]:
+    """The ledger's entries of the gradient sum (or local SGD's averaging)."""
     return [e for e in entries if e.what.startswith(("gradient sync", "local SGD"))]
 
 

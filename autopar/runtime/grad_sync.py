@@ -145,7 +145,7 @@ class GradientSync:
             if bucket.ready and bucket.flat is None:
                 self._launch(bucket)  # a parameter unused in this step left it incomplete
             if bucket.flat is not None and not self.summing:
-                self._deliver_local(bucket.params, _group_size(bucket.groups))
+                self._deliver_local(bucket.params, group_size(bucket.groups))
             elif bucket.flat is not None:
                 self._deliver_sums(bucket)
             bucket.ready, bucket.flat, bucket.running = 0, None, None
@@ -201,7 +201,8 @@ class GradientSync:
             hook.remove()
 
 
-def _group_size(groups: tuple[AxisGroup, ...]) -> int:
+def group_size(groups: Sequence[AxisGroup]) -> int:
+    """Devices the groups (one mesh axis each) span together."""
     return math.prod(g.size for g in groups)
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from autopar.runtime.grad_sync import GradientSync
+from autopar.runtime.grad_sync import GradientSync, group_size
 from autopar.runtime.reduction import sum_flat
 from autopar.runtime.shards import local_of
 from autopar_plans.reduction import GradReduction
@@ -77,11 +77,7 @@ class LocalSGD:
             for bucket in sync.buckets:
                 locals_ = [local_of(self._param_of(leaf)) for leaf in bucket.params]
                 flat = torch.cat([t.reshape(-1) for t in locals_])
-                summed = sum_flat(flat, self.policy, bucket.groups)
-                devices = 1
-                for group in bucket.groups:
-                    devices *= group.size
-                summed = summed / devices
+                summed = sum_flat(flat, self.policy, bucket.groups) / group_size(bucket.groups)
                 offset = 0
                 for t in locals_:
                     t.copy_(summed[offset : offset + t.numel()].view_as(t))

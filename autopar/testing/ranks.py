@@ -77,23 +77,30 @@ def _entry(
             dist.destroy_process_group()
 
 
+def _start(
+    work: Callable[..., Any], world_size: int, args: Sequence[Any], outdir: str, join: bool
+) -> Any:
+    """Start ``world_size`` ranks of ``work`` writing their records to ``outdir``, from the
+    forkserver where there is one; ``join``: wait (torch ends every rank once one fails)."""
+    start_method = "spawn"
+    if "forkserver" in multiprocessing.get_all_start_methods():  # not on Windows
+        start_method = "forkserver"
+        multiprocessing.set_forkserver_preload(list(PRELOAD))
+    return mp.start_processes(
+        _entry,
+        args=(world_size, free_port(), outdir, work, tuple(args), dict(os.environ)),
+        nprocs=world_size,
+        join=join,
+        start_method=start_method,
+    )
+
+
 def run_ranks(work: Callable[..., Any], world_size: int, args: Sequence[Any] = ()) -> list[Any]:
     """Run ``work`` on ``world_size`` gloo ranks; return their results in rank order."""
     with tempfile.TemporaryDirectory() as outdir:
-        port = free_port()
         # a failing rank's own traceback is in its file; read below
-        start_method = "spawn"
-        if "forkserver" in multiprocessing.get_all_start_methods():  # not on Windows
-            start_method = "forkserver"
-            multiprocessing.set_forkserver_preload(list(PRELOAD))
         with contextlib.suppress(mp.ProcessRaisedException, mp.ProcessExitedException):
-            mp.start_processes(
-                _entry,
-                args=(world_size, port, outdir, work, tuple(args), dict(os.environ)),
-                nprocs=world_size,
-                join=True,
-                start_method=start_method,
-            )
+            _start(work, world_size, args, outdir, join=True)
         results = []
         for rank in range(world_size):
             path = os.path.join(outdir, f"rank{rank}.pt")
@@ -116,18 +123,7 @@ def run_ranks_outcomes(
     ``{"ok": True, "result": ...}``, ``{"ok": False, "error": traceback}``, or
     ``{"ok": False, "died": exitcode}`` (killed, or no result)."""
     with tempfile.TemporaryDirectory() as outdir:
-        port = free_port()
-        start_method = "spawn"
-        if "forkserver" in multiprocessing.get_all_start_methods():
-            start_method = "forkserver"
-            multiprocessing.set_forkserver_preload(list(PRELOAD))
-        context = mp.start_processes(
-            _entry,
-            args=(world_size, port, outdir, work, tuple(args), dict(os.environ)),
-            nprocs=world_size,
-            join=False,
-            start_method=start_method,
-        )
+        context = _start(work, world_size, args, outdir, join=False)
         assert context is not None
         for process in context.processes:
             process.join(wait_s)
