@@ -113,6 +113,7 @@ def _plan(
         partial(_constraints, options.force, pinned),
         zero_levels=(options.zero,) if options.zero is not None else (0, 1, 2),
         reduction=options.grad_reduction(),
+        offload=options.offload_request(),
     )
     stages = options.stages if options.stages is not None or not options.force else 1
     pipeline = PipelineRequest(
@@ -156,7 +157,10 @@ def _with_reduction(options: PlanOptions) -> PlanOptions:
                 f"parallelism; it cannot run with {given}: drop those options, or use "
                 "sync='every_step'"
             )
-        return options.model_copy(update={"force": "dp", "zero": 0, "stages": 1})
+        _no_optimizer_offload(options, "sync='local_sgd' averages the parameters the device steps")
+        return options.model_copy(
+            update={"force": "dp", "zero": 0, "stages": 1, "offload": _without_optimizer(options)}
+        )
     if policy.compression.active:
         if options.zero not in (None, 0):
             raise UsageError(
@@ -164,8 +168,24 @@ def _with_reduction(options: PlanOptions) -> PlanOptions:
                 f"are all-reduced, and zero={options.zero} reduce-scatters them instead: "
                 "drop one of the two options"
             )
-        return options.model_copy(update={"zero": 0})
+        _no_optimizer_offload(
+            options, f"grad_compression={policy.compression.scheme!r} keeps its state on the device"
+        )
+        return options.model_copy(update={"zero": 0, "offload": _without_optimizer(options)})
     return options
+
+
+def _no_optimizer_offload(options: PlanOptions, why: str) -> None:
+    if options.offload_request().optimizer == "on":
+        raise UsageError(
+            f"{why}: it cannot run with the optimizer offloaded to the host; drop one of the two"
+        )
+
+
+def _without_optimizer(options: PlanOptions) -> dict[str, str]:
+    """The offload request with the optimizer's kept on the device."""
+    request = options.offload_request()
+    return {**request.model_dump(), "optimizer": "off"}
 
 
 def _constraints(

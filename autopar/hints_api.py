@@ -28,6 +28,7 @@ from autopar_passes.trace import TracedModel
 from autopar_plans.errors import HintError
 from autopar_plans.hints import Hints, as_hints
 from autopar_plans.mesh import MeshSpec
+from autopar_plans.offload import offload_request
 from autopar_plans.plan import Plan
 from autopar_plans.units import parse_bytes
 
@@ -76,6 +77,14 @@ def options_with_hints(options: PlanOptions) -> PlanOptions:
                 f"grad_compression={options.grad_compression!r} was passed too; keep one"
             )
         update["grad_compression"] = hinted.model_dump()
+    if loaded.offload is not None:
+        wanted = offload_request(loaded.offload)
+        if options.offload is not None and options.offload_request() != wanted:
+            raise HintError(
+                f"{loaded.where('offload')}: offload {loaded.offload!r}, but "
+                f"offload={options.offload!r} was passed too; keep one"
+            )
+        update["offload"] = loaded.offload
     return options.model_copy(update=update)
 
 

@@ -14,6 +14,7 @@ from autopar_plans.compression import SCHEMES, GradCompression
 from autopar_plans.errors import UsageError
 from autopar_plans.io import describe_validation_error
 from autopar_plans.mesh import MeshSpec
+from autopar_plans.offload import OffloadRequest, offload_request
 from autopar_plans.reduction import GradReduction
 
 
@@ -62,6 +63,13 @@ class PlanOptions(BaseModel):
         "axis, or hierarchical (reduce-scatter inside, all-reduce across, all-gather "
         "inside); 'auto': the cheaper under the cost model.",
     )
+    offload: str | dict[str, Any] | None = Field(
+        None,
+        description="What may live in host memory instead of the device's: 'auto' (the "
+        "default: the planner offloads where the memory limit calls for it), 'none', "
+        "kinds forced on (optimizer, activations: 'optimizer,activations'), or a mapping "
+        "kind -> on / off / auto (autopar_plans.offload; docs/offload.md).",
+    )
     stages: int | None = Field(None, ge=1, description="Pipeline stages (default: searched).")
     schedule: Literal["gpipe", "1f1b", "interleaved"] | None = Field(
         None, description="Pipeline schedule (default: searched)."
@@ -102,6 +110,13 @@ class PlanOptions(BaseModel):
             period=self.period,
             warmup=self.sync_warmup,
         )
+
+    def offload_request(self) -> OffloadRequest:
+        """What these options allow or force to live in host memory."""
+        try:
+            return offload_request(self.offload)
+        except ValueError as error:
+            raise UsageError(f"bad offload option: {error}") from None
 
     @classmethod
     def of(cls, options: dict[str, Any]) -> PlanOptions:

@@ -15,6 +15,12 @@
 - **A reference step**: forward and backward of a small fixed decoder
   (``autopar_cost_model.reference_step``), against which ``autopar calibrate`` fits ``in_step``,
   how much slower ops run inside a training step than each alone.
+- **The host** (offload, ``autopar_cost_model.host``): an AdamW step on the CPU over fp32
+  values too many for its caches (``torch.optim.AdamW`` with its default arguments, as
+  ZeRO-Offload steps the optimizer there), as bytes/s of the traffic
+  ``autopar_cost_model.optimizer.STEP_TRAFFIC`` counts, the median of several steps; with a
+  GPU, pinned host-to-device and device-to-host copies; the machine's memory. With no GPU
+  the link is the base preset's (host and device are one there).
 - **Collectives**: ``collective_bench`` on 2 local processes with gloo on a CPU (on
   ``ranks`` of them with ``ranks``), or NCCL across the visible GPUs when there are at
   least two: bus bandwidth per collective as the runtime runs it, step latency, and the
@@ -58,16 +64,20 @@ from autopar_cost_model.flops import cpu_flash_flop_mapping
 from autopar_cost_model.hardware import (
     DevicePreset,
     Efficiency,
+    HostLink,
     Link,
     OpOverhead,
     SharedCores,
     load_preset,
 )
+from autopar_cost_model.optimizer import STEP_TRAFFIC
 from autopar_cost_model.reference_step import step_runner
 from autopar_plans.errors import UsageError
 
 OP_CHAIN = 64  # element-wise ops per timed chain (op overhead)
 CPU_COPY_BYTES = 16 << 20  # the copy that measures a CPU's memory bandwidth (copy_bytes)
+HOST_OPTIMIZER = "adamw"  # the optimizer whose step on the host is measured
+MEDIAN_RUNS = 5  # the fewest calls ``median_call`` times
 
 
 class Budget(NamedTuple):
@@ -82,9 +92,21 @@ class Budget(NamedTuple):
     # the mean over the whole window (ranks sharing the cores: what each gets, on average,
     # while the others run; the fastest batch is one the scheduler gave it a core alone)
     fastest: bool = True
+    # fp32 values of the host's optimizer step: its weights, gradients and two states (16
+    # bytes a value) well beyond a CPU's last-level cache, as a model's are
+    host_step_values: int = 1 << 24
+    host_copy_bytes: int = 256 << 20  # each pinned copy between the host and a GPU
 
 
-QUICK = Budget(seconds=0.1, max_matmul=4096, copy_bytes=32 << 20, comm_bytes=4 << 20, comm_iters=3)
+QUICK = Budget(
+    seconds=0.1,
+    max_matmul=4096,
+    copy_bytes=32 << 20,
+    comm_bytes=4 << 20,
+    comm_iters=3,
+    host_step_values=1 << 22,
+    host_copy_bytes=64 << 20,
+)
 FULL = Budget(
     seconds=0.5, max_matmul=8192, copy_bytes=512 << 20, comm_bytes=64 << 20, comm_iters=10
 )
@@ -98,6 +120,8 @@ class Calibration(NamedTuple):
     preset: DevicePreset
     notes: tuple[str, ...]
     reference_step_s: float
+    # how the host link's figures were obtained, for ``summary_rows``: "measured", or why not
+    host_link_source: str = ""
 
 
 def _sync(device: torch.device) -> None:
@@ -139,6 +163,23 @@ def time_call(
     return min([best, *batches])
 
 
+def median_call(
+    fn: Callable[[], object], seconds: float, device: torch.device, runs: int = MEDIAN_RUNS
+) -> float:
+    """Median seconds of one ``fn()``, timed call by call: at least ``runs`` calls, more
+    while ``seconds`` last (at most ``8 x runs``).
+
+    For calls long enough to time alone (an optimizer step over megabytes, a copy of
+    hundreds of MiB), which stream main memory: the median is the rate a long run keeps,
+    where the fastest call is one that found the memory bus quiet."""
+    fn()  # warm-up: the optimizer's states, pinned pages mapped
+    samples: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while len(samples) < runs or (time.perf_counter() < deadline and len(samples) < 8 * runs):
+        samples.append(_batch_seconds(fn, 1, device))
+    return statistics.median(samples)
+
+
 def measure_matmul(dtype: torch.dtype, device: torch.device, budget: Budget) -> float:
     """Achieved FLOP/s of square ``dtype`` matmuls; ``n`` doubles while one call is short."""
     n = 128
@@ -177,6 +218,121 @@ def _device_memory(device: torch.device) -> float:
     if device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory)
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def machine_memory() -> float | None:
+    """This machine's memory in bytes (the host of its GPUs, or the CPU device itself), or
+    None where the system does not say (``os.sysconf`` lacks the names off Linux and
+    macOS)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return float(total) if total > 0 else None
+
+
+def measure_host_step(budget: Budget) -> float:
+    """Bytes/s of an AdamW step on the CPU over ``budget.host_step_values`` fp32 values
+    with fp32 gradients, counted as the cost model counts a step's traffic
+    (``STEP_TRAFFIC["adamw"].passes`` reads and writes of 4 bytes a value), so that
+    ``autopar_cost_model.host.host_step_time`` gives back the measured seconds.
+
+    ``torch.optim.AdamW`` with its default arguments: on a CPU the per-tensor loop (its
+    foreach default is for accelerators), on torch's threads (the whole machine: the
+    figure is per node, shared by the processes that step there)."""
+    values = budget.host_step_values
+    weight = torch.nn.Parameter(torch.zeros(values))
+    weight.grad = torch.full((values,), 1e-3)  # normal floats: no denormal slow paths
+    optimizer = torch.optim.AdamW([weight], lr=1e-3)
+    seconds = median_call(optimizer.step, budget.seconds, torch.device("cpu"))
+    passes = STEP_TRAFFIC[HOST_OPTIMIZER].passes
+    return passes * weight.element_size() * values / seconds
+
+
+def measure_host_copies(device: torch.device, budget: Budget) -> tuple[float, float]:
+    """Achieved bytes/s from pinned host memory to ``device`` and back: non-blocking copies
+    of ``budget.host_copy_bytes``, each synchronised (as offload's prefetches run)."""
+    size = budget.host_copy_bytes
+    pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty(size, dtype=torch.uint8, device=device)
+    to_s = median_call(lambda: on_device.copy_(pinned, non_blocking=True), budget.seconds, device)
+    from_s = median_call(lambda: pinned.copy_(on_device, non_blocking=True), budget.seconds, device)
+    return size / to_s, size / from_s
+
+
+def _base_host(base: DevicePreset) -> HostLink:
+    """The base preset's host; for a base without one (a user's file), the device as its
+    own host, as on a CPU: a copy reads and writes its memory (half its bandwidth)."""
+    if base.host is not None:
+        return base.host
+    memory = base.memory_bandwidth * base.efficiency.memory
+    return HostLink(
+        memory_bytes=base.memory_bytes,
+        memory_bandwidth=base.memory_bandwidth,
+        to_device=memory / 2,
+        from_device=memory / 2,
+        efficiency=1.0,
+    )
+
+
+class HostFigures(NamedTuple):
+    """The calibrated host, and how its link's figures were obtained ("measured", or why
+    they were kept)."""
+
+    link: HostLink
+    link_source: str
+
+
+def calibrate_host(
+    device: torch.device, budget: Budget, base: DevicePreset, notes: list[str]
+) -> HostFigures:
+    """The base preset's host with what this machine measures written over it: the
+    optimizer step, the memory, and with a GPU the copies (achieved, so efficiency 1 and
+    ``latency + S / bandwidth`` stays the copy's time; the latency is kept)."""
+    kept = _base_host(base)
+    step = _rounded(measure_host_step(budget))
+    memory = machine_memory()
+    update: dict[str, float] = {
+        "optimizer_bandwidth": step,
+        "memory_bytes": memory if memory is not None else kept.memory_bytes,
+    }
+    notes.append(
+        f"host: optimizer_bandwidth: an AdamW step (torch.optim.AdamW, default arguments) "
+        f"over {budget.host_step_values} fp32 values on {torch.get_num_threads()} threads, "
+        f"the median of {MEDIAN_RUNS} or more steps, {step / 1e9:.1f} GB/s as "
+        f"STEP_TRAFFIC counts it ({STEP_TRAFFIC[HOST_OPTIMIZER].passes} passes of 4 bytes a "
+        f"value); memory_bytes: {'this machine' if memory is not None else base.name}'s; "
+        f"memory_bandwidth kept from {base.name}"
+    )
+    source = _host_link(device, budget, base, notes, update)
+    return HostFigures(HostLink.model_validate({**kept.model_dump(), **update}), source)
+
+
+def _host_link(
+    device: torch.device,
+    budget: Budget,
+    base: DevicePreset,
+    notes: list[str],
+    update: dict[str, float],
+) -> str:
+    """Measure the device's copies into ``update`` where there is a GPU; say how it went."""
+    if device.type != "cuda":
+        notes.append(f"host link: not measured (no GPU, host and device are one): {base.name}'s")
+        return f"not measured (no GPU): {base.name}'s"
+    try:
+        to_device, from_device = measure_host_copies(device, budget)
+    except RuntimeError as err:  # out of pinned or device memory
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        notes.append(f"host link: copies failed ({reason}); kept from {base.name}")
+        return f"not measured (copies failed): {base.name}'s"
+    update.update(to_device=_rounded(to_device), from_device=_rounded(from_device), efficiency=1.0)
+    notes.append(
+        f"host link: pinned copies of {budget.host_copy_bytes >> 20} MiB, non-blocking and "
+        f"synchronised, median of {MEDIAN_RUNS} or more: to the device "
+        f"{to_device / 1e9:.1f} GB/s, from it {from_device / 1e9:.1f} GB/s (efficiency 1: "
+        f"achieved); latency kept from {base.name}"
+    )
+    return "measured"
 
 
 def _base_preset(device: torch.device) -> DevicePreset:
@@ -498,6 +654,7 @@ def calibrate(
     else:
         links = Links(_achievable(base.intra_node, base), base.launch_overhead, base.comm_overlap)
         notes.append(f"intra-node link: not measured (collectives skipped), kept from {base.name}")
+    host = calibrate_host(device, budget, base, notes)
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     gpus_per_node = gpus if gpus > 1 else base.gpus_per_node
     borrowed = {
@@ -527,9 +684,10 @@ def calibrate(
         comm_overlap=links.overlap,
         op_rates=figures.op_rates,
         shared_cores=SharedCores(ranks=ranks, cores=cores) if ranks is not None else None,
+        host=host.link,
         efficiency=Efficiency(compute=1.0, memory=1.0, network=1.0),
     )
-    return Calibration(preset, tuple(notes), figures.reference_step_s)
+    return Calibration(preset, tuple(notes), figures.reference_step_s, host.link_source)
 
 
 def _describe(device: torch.device) -> str:
@@ -538,8 +696,9 @@ def _describe(device: torch.device) -> str:
     return f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
 
 
-def summary_rows(preset: DevicePreset) -> list[tuple[str, str]]:
-    """Figure name and value, for printing a preset."""
+def summary_rows(preset: DevicePreset, host_link_source: str = "") -> list[tuple[str, str]]:
+    """Figure name and value, for printing a preset; ``host_link_source`` (a calibration's)
+    follows the host link's figures."""
     rows = [
         (f"{k} matmul", f"{v / 1e12:.1f} TFLOP/s" if v >= 1e12 else f"{v / 1e9:.1f} GFLOP/s")
         for k, v in preset.peak_flops.items()
@@ -565,4 +724,23 @@ def summary_rows(preset: DevicePreset) -> list[tuple[str, str]]:
         ("ops inside a step, over alone", f"{preset.in_step:g}x"),
         ("communication compute hides", f"{preset.comm_overlap:.0%}"),
     ]
+    if preset.host is not None:
+        rows += _host_rows(preset.host, host_link_source)
     return rows
+
+
+def _host_rows(host: HostLink, link_source: str) -> list[tuple[str, str]]:
+    """The host's memory, optimizer step and link; a link figure with its efficiency, what
+    a copy reaches being their product."""
+    step = (
+        f"{host.optimizer_bandwidth / 1e9:.1f} GB/s of {HOST_OPTIMIZER}'s traffic"
+        if host.optimizer_bandwidth is not None
+        else "not measured (host memory bandwidth x efficiency)"
+    )
+    how = f"; {link_source}" if link_source else ""
+    return [
+        ("host memory", f"{host.memory_bytes / 2**30:.1f} GiB"),
+        ("host optimizer step", step),
+        ("host to device", f"{host.to_device / 1e9:.2f} GB/s x {host.efficiency:g}{how}"),
+        ("device to host", f"{host.from_device / 1e9:.2f} GB/s x {host.efficiency:g}{how}"),
+    ]

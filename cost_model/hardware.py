@@ -182,7 +182,23 @@ class HostLink(_Strict):
         gt=0,
         le=1,
         description="Of the link's peak that pinned copies reach (an assumption until "
-        "``autopar calibrate`` measures it on a GPU).",
+        "``autopar calibrate`` measures it on a GPU, where it writes the achieved "
+        "bandwidths and 1).",
+    )
+    shared: bool = Field(
+        False,
+        description="The device's memory is the host's (a CPU device): moving state to "
+        "the host frees nothing, so the planner offloads only when told to (the runtime's "
+        "copies still run, which is how offload is tested without a GPU).",
+    )
+    optimizer_bandwidth: float | None = Field(
+        None,
+        gt=0,
+        description="Bytes/s an optimizer step on the host reaches, per node, counted as "
+        "``autopar_cost_model.optimizer.STEP_TRAFFIC`` counts a step's traffic; measured by "
+        "``autopar calibrate`` (an AdamW step over fp32 values on the CPU): what a step's "
+        "element-wise ops reach, rather than a copy's fraction of the DRAM's peak. None: "
+        "``memory_bandwidth`` times the preset's ``efficiency.memory``.",
     )
 
     @field_validator("memory_bytes", mode="before")

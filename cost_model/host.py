@@ -12,7 +12,10 @@ passes per value as on a device (``autopar_cost_model.optimizer.STEP_TRAFFIC``):
     t = N x passes x itemsize / (host memory bandwidth x e_memory / devices per node)
 
 (``e_memory``: the preset's STREAM-like fraction of peak memory bandwidth, taken for the
-host's DRAM too).
+host's DRAM too). Where ``autopar calibrate`` measured the host's optimizer step
+(``HostLink.optimizer_bandwidth``: an AdamW step's traffic over its seconds) that figure
+replaces ``host memory bandwidth x e_memory``: what a step's chain of element-wise ops
+reaches on that CPU, its threads and caches included, not a copy's fraction of a datasheet.
 
 >>> from autopar_cost_model.hardware import load_preset
 >>> h100 = load_preset("h100-sxm")
@@ -63,5 +66,14 @@ def host_step_time(
         return 0.0
     host = host_of(preset)
     share = sharing if sharing is not None else preset.gpus_per_node
-    bandwidth = host.memory_bandwidth * preset.efficiency.memory / max(share, 1)
+    bandwidth = host_step_bandwidth(host, preset) / max(share, 1)
     return numel * STEP_TRAFFIC[optimizer].passes * itemsize / bandwidth
+
+
+def host_step_bandwidth(host: HostLink, preset: DevicePreset) -> float:
+    """Bytes/s of step traffic the whole host reaches: measured where calibrated (the
+    measured step, not a copy, is what an offloaded step runs), else its DRAM's peak times
+    the preset's memory efficiency."""
+    if host.optimizer_bandwidth is not None:
+        return host.optimizer_bandwidth
+    return host.memory_bandwidth * preset.efficiency.memory

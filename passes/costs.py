@@ -34,6 +34,7 @@ import torch
 from autopar_cost_model.collectives import MeshCost
 from autopar_cost_model.compute import op_time
 from autopar_cost_model.memory import param_state_bytes, precision_policy
+from autopar_cost_model.offload import optimizer_offload
 from autopar_cost_model.optimizer import optimizer_step_time
 from autopar_cost_model.reshard import ReshardStep
 from autopar_passes.annotation import META_KEY, NodeAnnotation, TensorInfo, dtype_itemsize
@@ -41,6 +42,7 @@ from autopar_passes.mixed_precision import AutocastSaved
 from autopar_passes.strategies.types import Strategy
 from autopar_plans.buckets import BUCKET_BYTES, ddp_buckets
 from autopar_plans.compression import compressed_calls, encode_passes, state_values
+from autopar_plans.offload import NO_OFFLOAD, Offload
 from autopar_plans.placement import PARTIAL, REPLICATE, Layout, Partial, Replicate, Shard
 from autopar_plans.reduction import PER_AXIS, GradReduction, reduce_steps
 from autopar_plans.reshard import LOCAL_KINDS
@@ -88,6 +90,8 @@ class ParamCost:
     sync_s: float
     step_s: float = 0.0  # after the optimizer step, exposed: ZeRO's gather of the masters
     optimizer_s: float = 0.0  # the optimizer's step of the piece this device steps
+    host: float = 0.0  # bytes in host memory: an offloaded master, its gradient and states
+    host_s: float = 0.0  # an offloaded optimizer's copies over the host link, exposed
     # the bucketed calls it joins, whose fixed cost is paid once whoever joins (``SyncCall``)
     calls: tuple[SyncCall, ...] = ()
 
@@ -143,6 +147,9 @@ class CostModel:
     # how gradients cross replicated axes (``autopar_plans.reduction``): the form of a sum
     # over several axes, its dtype, compression
     reduction: GradReduction = PER_AXIS
+    # what lives in host memory (``autopar_plans.offload``, priced by
+    # ``autopar_cost_model.offload``)
+    offload: Offload = NO_OFFLOAD
     _edge_cache: dict[object, tuple[float, float]] = field(
         default_factory=dict, repr=False, compare=False
     )
@@ -572,8 +579,15 @@ class CostModel:
             even = zero_layout.divides(info.shape, self.mesh_shape)
         zero = self.zero if zero_shard > 1 else 0
         cast = node in self.working_cast
+        # an offloaded optimizer holds every parameter as ZeRO does (a working copy on the
+        # device, a master piece on the host), whatever the axes shard
+        mastered = bool(zero_axes) or self.offload.optimizer
         params, grads, optimizer = param_state_bytes(
-            info.shape, self.optimizer, self.precision, zero=zero, working_cast=cast
+            info.shape,
+            self.optimizer,
+            self.precision,
+            zero=max(zero, 1) if mastered else 0,
+            working_cast=cast,
         )
         # as the runtime sums them (``runtime.grad_sync``, ``runtime.zero``), in the policy's
         # form and dtype (``autopar_plans.reduction``): DDP sums the accumulated gradient
@@ -587,9 +601,9 @@ class CostModel:
         others = tuple(axis for axis in replicated if axis not in zero_axes)
         local_shape = layout.local_shape(info.shape, self.mesh_shape)
         compressed = (
-            bool(others) and not zero_axes and self.reduction.compression.compresses(local_shape)
+            bool(others) and not mastered and self.reduction.compression.compresses(local_shape)
         )
-        if zero_axes or (others and self.reduction.sync == "every_step" and not compressed):
+        if mastered or (others and self.reduction.sync == "every_step" and not compressed):
             for kind, axis, divisor in self._sum_steps(others):
                 sync += self.bucketed(kind, wire / divisor, (axis,), whole=wire)
         elif others and self.reduction.sync == "local_sgd":
@@ -615,21 +629,39 @@ class CostModel:
         preset = self.mesh_cost.preset
         # the runtime's copies into and out of its buckets (``bucket_copy_bytes``)
         local, wire_size = info.numel / shard, self.grad_itemsize(info)
-        if zero_axes:
+        if mastered:
             reduce_b, gather_b = zero_copy_bytes(
                 local, zero_shard, working, wire_size, master, bool(others)
             )
             sync += op_time(0.0, reduce_b, "float32", preset)
-            step += op_time(0.0, gather_b, "float32", preset)
+            step += op_time(0.0, gather_b if zero_axes else 0.0, "float32", preset)
         elif others and sync:
             sync += op_time(0.0, bucket_copy_bytes(local, master, wire_size), "float32", preset)
+        step_s = optimizer_step_time(stepped, self.optimizer, master, preset)
+        host = host_s = 0.0
+        optimizer_b = optimizer / shard / zero_shard
+        if self.offload.optimizer:
+            offloaded = optimizer_offload(
+                stepped,
+                grad=wire_size,
+                working=working,
+                master=master,
+                optimizer=self.optimizer,
+                preset=preset,
+            )
+            # the master's gradient piece lives beside it, in the master's width
+            host = optimizer_b + info.numel * master / shard / zero_shard
+            optimizer_b = 0.0
+            host_s, step_s = offloaded.copy_s, offloaded.host_s
         return ParamCost(
             params=params / shard,
             grads=grads / shard / (zero_shard if zero >= 2 else 1),
-            optimizer=optimizer / shard / zero_shard,
+            optimizer=optimizer_b,
             sync_s=sync,
             step_s=step,
-            optimizer_s=optimizer_step_time(stepped, self.optimizer, master, preset),
+            optimizer_s=step_s,
+            host=host,
+            host_s=host_s,
             calls=self._sync_calls(
                 info, node, replicated, zero_axes, working, even, tuple(local_shape)
             ),

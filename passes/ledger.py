@@ -463,7 +463,7 @@ def _fsdp_groups(
             and bool(reshard.calls)
             and reshard.calls[0].kind == "all_gather"
             and not reshard.starts_local
-            and not _is_zero(plan.params[param], mesh_shape)
+            and not plan.holds_master(param, mesh_shape)
         )
         if not grouped:
             singles.append(reshard)
@@ -478,11 +478,6 @@ def _fsdp_groups(
         dtype = "compute" if param in cast else reshard.dtype
         groups.setdefault((reshard.calls[0].axis, dtype, place), []).append(reshard)
     return groups, singles
-
-
-def _is_zero(param: ParamPlan, mesh_shape: tuple[int, ...]) -> bool:
-    """ZeRO-1/2: the optimizer state sharded beyond the parameter on some axis."""
-    return bool(zero_axes(param.param, param.optimizer, mesh_shape))
 
 
 def _wire_dtype(plan: Plan, dtype: str) -> str:
@@ -583,7 +578,7 @@ def sync_buckets(
     synced = []
     for name in reversed(order):
         param = plan.params[name]
-        if _is_zero(param, mesh_shape):
+        if plan.holds_master(name, mesh_shape):
             continue
         axes = tuple(
             a for a, p in enumerate(param.param) if isinstance(p, Replicate) and mesh_shape[a] > 1
@@ -687,7 +682,7 @@ def zero_entries(
     for name in order:
         param = plan.params[name]
         found = zero_axes(param.param, param.optimizer, mesh_shape)
-        if not found:
+        if not plan.holds_master(name, mesh_shape):
             continue
         axes = tuple(a for a, _ in found)
         others = tuple(
@@ -708,7 +703,8 @@ def zero_entries(
     for number, bucket in enumerate(open_buckets([(m[0], m[1]) for m in members])):
         _, _, _, axes, others, stage2, working = members[bucket[0]]
         numel = sum(members[i][2] for i in bucket)
-        what = f"ZeRO-{2 if stage2 else 1}: bucket {number}, {len(bucket)} params"
+        kind = f"ZeRO-{2 if stage2 else 1}" if axes else "offloaded optimizer"
+        what = f"{kind}: bucket {number}, {len(bucket)} params"
         wire = _grad_dtype(plan, working)
         size = float(numel * itemsize(wire))
         pieces = math.prod(mesh_shape[a] for a in axes)

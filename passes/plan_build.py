@@ -85,6 +85,7 @@ def build_plan(
         optimizer=solved.cost.optimizer,
         precision=solved.cost.precision,
         grad_reduction=solved.cost.reduction,
+        offload=solved.cost.offload,
         memory_limit_bytes=memory_limit,
         parallelism=_parallelism(traced, solved, params, microbatches),
         estimate=estimate,
@@ -330,11 +331,17 @@ def _estimate(
     overlap = parts.problem.overlap
     hidden = passes * exposed_gradient_sync(sync / passes, backward, parts.problem.buckets, overlap)
     hidden += after_step
-    step = compute_step + inline * microbatches + hidden + optimizer
+    offload_s = sum(
+        parts.offload_step[d][k] + microbatches * parts.offload_microbatch[d][k]
+        for d, k in choice.items()
+    )
+    step = compute_step + inline * microbatches + hidden + optimizer + offload_s
     params_b = sum(parts.model_states[d][k][0] for d, k in choice.items())
     grads_b = sum(parts.model_states[d][k][1] for d, k in choice.items())
     optim_b = sum(parts.model_states[d][k][2] for d, k in choice.items())
     acts = sum(parts.activations[d][k] for d, k in choice.items()) + parts.edge_memory(choice)
+    if solved.cost.offload.activations:  # held on the host (``Solved.host_memory``)
+        acts = 0.0
     notes = [n.meta[META_KEY] for n in traced.graph.nodes]
     flops = float(sum(a.fwd_flops + a.bwd_flops for a in notes)) * microbatches
     mesh = solved.cost.mesh_cost.mesh
@@ -356,9 +363,11 @@ def _estimate(
             optimizer=optim_b,
             activations=acts,
             total=params_b + grads_b + optim_b + acts,
+            host=solved.host_memory(),
         ),
         compute_s=compute_step,
-        optimizer_s=optimizer,
+        optimizer_s=optimizer + sum(parts.offload_step[d][k] for d, k in choice.items()),
+        offload_s=offload_s,
         comm_s=inline * microbatches + sync + after_step,
         exposed_comm_s=inline * microbatches + hidden,
         collectives=collectives,

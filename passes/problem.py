@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from autopar_cost_model.offload import activation_offload_time
 from autopar_passes.annotation import TensorInfo
 from autopar_passes.costs import CallKey, CostModel
 from autopar_passes.decisions import Decisions
@@ -73,6 +74,13 @@ class ProblemParts:
     sync: dict[str, list[float]] = field(default_factory=dict)  # one pass (sync_passes)
     after_step: dict[str, list[float]] = field(default_factory=dict)  # once a step, exposed
     optimizer_step: dict[str, list[float]] = field(default_factory=dict)  # once a step
+    # offload (``autopar_plans.offload``): bytes kept in host memory (offloaded optimizer
+    # state; saved activations, one microbatch's), and the host link's exposed seconds,
+    # once a step (the optimizer's copies) and once a microbatch (the activations')
+    host_states: dict[str, list[float]] = field(default_factory=dict)
+    host_activations: dict[str, list[float]] = field(default_factory=dict)
+    offload_step: dict[str, list[float]] = field(default_factory=dict)
+    offload_microbatch: dict[str, list[float]] = field(default_factory=dict)
     # each edge with its forward and backward matrices (over class pairs)
     edge_terms: list[tuple[EdgeTerm, Matrix, Matrix]] = field(default_factory=list)
     self_edge: dict[str, list[float]] = field(default_factory=dict)
@@ -145,6 +153,13 @@ def build_problem(
         parts.sync[name] = [0.0] * count
         parts.after_step[name] = [0.0] * count
         parts.optimizer_step[name] = [0.0] * count
+        for row in (
+            parts.host_states,
+            parts.host_activations,
+            parts.offload_step,
+            parts.offload_microbatch,
+        ):
+            row[name] = [0.0] * count
         parts.self_edge[name] = [0.0] * count
         parts.self_memory[name] = [0.0] * count
     _node_costs(decisions, cost, representatives, parts)
@@ -161,6 +176,7 @@ def build_problem(
         parts.self_prefetchable = dict(edges_of.self_prefetchable)
         parts.copies = dict(edges_of.copies)
     problem = parts.problem
+    offloads_activations = cost.offload.activations
     problem.sync_passes = cost.sync_passes(microbatches)
     problem.overlap = overlap = cost.mesh_cost.preset.comm_overlap
     for name in choices:
@@ -168,20 +184,24 @@ def build_problem(
         problem.hidden_by[name] = list(bwd)
         hideable = parts.self_prefetchable.get(name, [0.0] * len(fwd))
         problem.cost[name] = [
-            microbatches * (f + b + e - overlap * h) + after + optimizer
-            for f, b, e, h, after, optimizer in zip(
+            microbatches * (f + b + e - overlap * h + host_mb) + after + optimizer + host
+            for f, b, e, h, after, optimizer, host, host_mb in zip(
                 fwd,
                 bwd,
                 parts.self_edge[name],
                 hideable,
                 parts.after_step[name],
                 parts.optimizer_step[name],
+                parts.offload_step[name],
+                parts.offload_microbatch[name],
                 strict=True,
             )
         ]
         problem.overlappable[name] = list(parts.sync[name])
+        # offloaded activations (and the resharded copies consumers keep) leave the device
+        on_device = 0.0 if offloads_activations else 1.0
         problem.memory[name] = [
-            a + sum(m) + e
+            on_device * (a + e) + sum(m)
             for a, m, e in zip(
                 parts.activations[name],
                 parts.model_states[name],
@@ -201,6 +221,8 @@ def build_problem(
         else term
         for e, (term, _, _) in enumerate(parts.edge_terms)
     ]
+    if offloads_activations:
+        problem.edges = [replace(term, memory={}) for term in problem.edges]
     problem.prefetch = _prefetch_links(parts, microbatches)
     hidden_calls = {
         key: sum(
@@ -257,11 +279,19 @@ def _node_costs(
                     joined.choices[name] = joined.choices.get(name, frozenset()) | {k}
                 parts.after_step[name][k] += times * pc.step_s
                 parts.optimizer_step[name][k] += times * pc.optimizer_s
+                parts.host_states[name][k] += times * pc.host
+                parts.offload_step[name][k] += times * pc.host_s
                 continue
             fwd, bwd = cost.op_time(note, strategy)
             parts.compute_fwd[name][k] += times * fwd
             parts.compute_bwd[name][k] += times * bwd
-            parts.activations[name][k] += times * cost.activation_bytes(note, strategy, node_name)
+            saved = cost.activation_bytes(note, strategy, node_name)
+            parts.activations[name][k] += times * saved
+            if cost.offload.activations:
+                parts.host_activations[name][k] += times * saved
+                parts.offload_microbatch[name][k] += times * activation_offload_time(
+                    saved, fwd, cost.mesh_cost.preset
+                )
             least.append((fwd, bwd))
         if least:  # one copy's compute at its least, each pass apart
             held = parts.least_compute.setdefault(place, [0.0, 0.0])

@@ -21,9 +21,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from autopar_cost_model.collectives import MeshCost
-from autopar_cost_model.hardware import load_preset
+from autopar_cost_model.hardware import DevicePreset, load_preset
 from autopar_cost_model.memory import precision_policy
 from autopar_cost_model.reduction import resolve_reduction
 from autopar_passes.costs import CostModel, fsdp_group_shares, gradient_bytes, sync_buckets
@@ -49,8 +50,9 @@ from autopar_passes.strategies.graph import NodeChoices, graph_choices
 from autopar_passes.strategies.types import Strategy
 from autopar_passes.trace import TracedModel
 from autopar_plans.buckets import BUCKET_BYTES
-from autopar_plans.errors import InfeasiblePlanError
+from autopar_plans.errors import InfeasiblePlanError, UsageError
 from autopar_plans.mesh import MeshSpec
+from autopar_plans.offload import AUTO_OFFLOAD, KINDS, NO_OFFLOAD, Offload, OffloadRequest
 from autopar_plans.plan import SolverReport
 from autopar_plans.reduction import PER_AXIS, GradReduction
 from autopar_plans.units import format_bytes
@@ -91,6 +93,8 @@ class SolveRequest:
     autocast_saved: AutocastSaved | None = None
     # how gradients cross replicated axes (its ``auto`` form resolved per mesh here)
     reduction: GradReduction = PER_AXIS
+    # what may (or must) live in host memory (``autopar_plans.offload``)
+    offload: OffloadRequest = AUTO_OFFLOAD
 
 
 class NothingFaster(Exception):
@@ -115,14 +119,26 @@ class Solved:
     recompute: dict[str, int] = field(default_factory=dict)  # region -> layers recomputed
 
     def memory(self) -> float:
-        """Bytes per device of the chosen strategies, recomputation included."""
+        """Bytes per device of the chosen strategies, recomputation included (offloaded
+        activations and states not: they are in ``host_memory``)."""
         total = sum(
             self.parts.problem.memory[d][k]
             for d, k in self.choice.items()
             if d in self.parts.problem.memory
         )
-        total += self.parts.edge_memory(self.choice)
+        if not self.cost.offload.activations:
+            total += self.parts.edge_memory(self.choice)
         return total - self.recomputed_bytes()
+
+    def host_memory(self) -> float:
+        """Bytes per device in host memory: offloaded states, and one microbatch's saved
+        activations with the resharded copies their consumers keep."""
+        parts = self.parts
+        total = sum(parts.host_states[d][k] for d, k in self.choice.items())
+        if self.cost.offload.activations:
+            total += sum(parts.host_activations[d][k] for d, k in self.choice.items())
+            total += parts.edge_memory(self.choice)
+        return total
 
     def recomputed_bytes(self) -> float:
         saved = 0.0
@@ -251,7 +267,7 @@ def _solve(
 
     built_edges: list[tuple[CostModel, ProblemParts]] = []  # resharding terms, shared
 
-    def build(zero: int, limit: float | None) -> Built:
+    def build(zero: int, limit: float | None, offload: Offload = NO_OFFLOAD) -> Built:
         cost = CostModel(
             mesh_cost,
             request.optimizer,
@@ -264,6 +280,7 @@ def _solve(
             autocast_saved=request.autocast_saved,
             gather_share=gather_share,
             reduction=reduction,
+            offload=offload,
         )
         shared = next((p for c, p in built_edges if reuses_edges(c, cost)), None)
         parts = build_problem(
@@ -271,9 +288,10 @@ def _solve(
         )
         if shared is None:
             built_edges.append((cost, parts))
+        # offloaded activations leave nothing on the device for recomputation to free
         regions = (
             find_regions(traced.graph, decisions, cost, representatives, parts.kept_copies)
-            if limit is not None or request.recompute_hints
+            if (limit is not None or request.recompute_hints) and not offload.activations
             else []
         )
         apply_recompute_hints(regions, request.recompute_hints, traced.graph)
@@ -324,30 +342,115 @@ def _solve(
             solution.recompute,
         )
 
-    levels = request.zero_levels
+    host_limit = _host_limit(mesh_cost)
+    candidates = offload_candidates(request, mesh_cost.preset)
+    first = candidates[0]
     if request.memory_limit is None or not request.known_unfit:
-        fastest = _fastest_unlimited(levels, build, run)
+        fastest = _fastest_unlimited(
+            offload_levels(request.zero_levels, first), partial(build, offload=first), run
+        )
         if fastest is None and request.work_cutoff is not None:
             raise NothingFaster
         if fastest is None:  # no plan even with memory set aside: none within a limit either
             raise no_plan_error()
-        if fastest is not None and (
-            request.memory_limit is None or fastest.memory() <= request.memory_limit
-        ):
+        fits_host = fastest.host_memory() <= host_limit
+        if request.memory_limit is None and not fits_host:
+            raise infeasible_error(None, request, fastest.host_memory(), host_limit)
+        if request.memory_limit is None or (fastest.memory() <= request.memory_limit and fits_host):
             return fastest
     # under the limit: every ZeRO stage with the recompute candidates as variables, so the
-    # MIP trades recomputation against sharding and ZeRO (``ilp.RecomputeTerm``)
-    built = [build(zero, request.memory_limit) for zero in levels]
-    # a stage whose model states alone exceed the limit needs no MIP to rule out (which
-    # the solver can take long to prove: recomputation's relaxation frees memory in
-    # fractions of layers)
-    fitting = [b for b in built if states_floor(b.parts) <= request.memory_limit]
-    found = _solve_levels(fitting, run) if fitting else None
-    if found is None and request.work_cutoff is not None:
+    # MIP trades recomputation against sharding and ZeRO (``ilp.RecomputeTerm``), and then
+    # each offload policy allowed, cheapest first, where it could beat the best so far
+    limit = request.memory_limit
+    assert limit is not None
+    best: Solved | None = None
+    last: Built | None = None
+    over_host = 0.0
+    for offload in candidates:
+        levels = offload_levels(request.zero_levels, offload)
+        if not levels:
+            continue
+        if best is not None and not _could_beat(levels, offload, best, build, run):
+            continue
+        built = [build(zero, limit, offload) for zero in levels]
+        last = built[-1]  # the most offload tried: the least memory, for the message
+        # a stage whose model states alone exceed the limit needs no MIP to rule out (which
+        # the solver can take long to prove: recomputation's relaxation frees memory in
+        # fractions of layers)
+        fitting = [b for b in built if states_floor(b.parts) <= limit]
+        found = _solve_levels(fitting, run, best) if fitting else None
+        if found is not None and found.host_memory() > host_limit:
+            over_host = max(over_host, found.host_memory())
+            found = None
+        if found is not None and (best is None or _faster(found, best)):
+            best = found
+    if best is None and request.work_cutoff is not None:
         raise NothingFaster
-    if found is None:
-        raise infeasible_error(built[-1].parts, request)
-    return found
+    if best is None:
+        assert last is not None
+        raise infeasible_error(last, request, over_host, host_limit)
+    return best
+
+
+def offload_candidates(request: SolveRequest, preset: DevicePreset) -> list[Offload]:
+    """The offload policies to try, cheapest first: only those forced where the device's
+    memory is the host's (offload frees nothing there: ``HostLink.shared``), and a forced
+    recomputation (a hint) keeps activations on the device, where it recomputes them."""
+    candidates = request.offload.candidates()
+    if preset.host is None or preset.host.shared:
+        forced = request.offload.model_copy(
+            update={k: "off" for k in KINDS if getattr(request.offload, k) == "auto"}
+        )
+        candidates = forced.candidates()
+    forced = [h for h in request.recompute_hints if h.force]
+    if not forced:
+        return candidates
+    kept = [c for c in candidates if not c.activations]
+    if not kept:
+        raise UsageError(
+            f"{forced[0].label} recomputes activations that offload=activations moves to "
+            "the host instead: drop one of the two"
+        )
+    return kept
+
+
+def offload_levels(levels: tuple[int, ...], offload: Offload) -> tuple[int, ...]:
+    """The ZeRO stages an offload policy plans with: an offloaded optimizer sums each
+    gradient into its host master once a step, so ZeRO-2 (a sum per microbatch into the
+    master's piece) is not one of them."""
+    return tuple(z for z in levels if z < 2) if offload.optimizer else levels
+
+
+def _host_limit(mesh_cost: MeshCost) -> float:
+    """Host bytes one device may fill: its node's memory over the devices sharing it
+    (unbounded for a preset that names no host)."""
+    preset = mesh_cost.preset
+    if preset.host is None:
+        return math.inf
+    sharing = min(preset.gpus_per_node, mesh_cost.mesh.size)
+    return preset.host.memory_bytes / max(sharing, 1)
+
+
+def _faster(found: Solved, best: Solved) -> bool:
+    """Strictly faster: ties go to the policy tried first (less offload)."""
+    return (found.report.objective or 0.0) < (best.report.objective or 0.0) * (1 - 1e-7)
+
+
+def _could_beat(
+    levels: tuple[int, ...],
+    offload: Offload,
+    best: Solved,
+    build: Callable[..., Built],
+    run: Callable[..., Solved | None],
+) -> bool:
+    """Whether an offload policy's fastest plan with memory set aside (a lower bound on its
+    plans under the limit) beats ``best``: solved under ``best``'s cutoff, quick to refute."""
+    bound = tie(best.report.objective or 0.0)
+    for zero in levels:
+        found = run(build(zero, None, offload), bound)
+        if found is not None and _faster(found, best):
+            return True
+    return False
 
 
 def _fastest_unlimited(
@@ -403,7 +506,9 @@ class Built:
     regions: list[Region]
 
 
-def _solve_levels(built: list[Built], run: Callable[..., Solved | None]) -> Solved | None:
+def _solve_levels(
+    built: list[Built], run: Callable[..., Solved | None], best: Solved | None = None
+) -> Solved | None:
     """The fastest feasible plan over ZeRO stages, ties to the lower stage.
 
     From the most sharded stage down (the one most likely to fit, and quickest to solve),
@@ -412,8 +517,9 @@ def _solve_levels(built: list[Built], run: Callable[..., Solved | None]) -> Solv
     minute (gpt3-175b on 32x8: plain data parallelism 27 s, under the ZeRO-2 cutoff 0.4 s).
     A stage that a solved one dominates (``ilp.dominates``: ZeRO-1 by ZeRO-2) is not
     solved at all; it can only tie, which the winner's choice, costed in it, tells.
+    ``best``: a plan in hand (another offload policy's), whose time is the first cutoff.
     """
-    best: Solved | None = None
+    given = best
     solved: list[Built] = []
     dominated: list[Built] = []
     for level in sorted(built, key=lambda b: -b.zero):
@@ -425,7 +531,7 @@ def _solve_levels(built: list[Built], run: Callable[..., Solved | None]) -> Solv
         found = run(level, bound)
         if found is not None and (bound is None or (found.report.objective or 0.0) <= bound):
             best = found
-    if best is None:
+    if best is None or best is given:
         return None
     for level in sorted(dominated, key=lambda b: b.zero):
         if level.zero < best.zero:
@@ -483,8 +589,21 @@ def no_strategy_error(decisions: Decisions, decision: str, mesh: MeshSpec) -> In
     )
 
 
-def infeasible_error(parts: ProblemParts, request: SolveRequest) -> InfeasiblePlanError:
-    """The minimum memory per device any allowed plan needs, what dominates it, what helps."""
+def infeasible_error(
+    built: Built | None, request: SolveRequest, over_host: float = 0.0, host_limit: float = math.inf
+) -> InfeasiblePlanError:
+    """The minimum memory per device any allowed plan needs, what dominates it, what helps
+    (``over_host``: the host bytes per device of a plan that fitted the device but not its
+    host's memory, ``host_limit`` each device's share of it)."""
+    if over_host:
+        return InfeasiblePlanError(
+            f"the model fits {request.mesh.describe()} only with state offloaded to host "
+            f"memory, and then needs {format_bytes(over_host)} of host memory per device "
+            f"where each device's share of its node's is {format_bytes(host_limit)}: use "
+            "more devices or pipeline stages, or a preset whose host has more memory"
+        )
+    assert built is not None
+    parts = built.parts
     problem = parts.problem
     # with every layer recomputed in full, what it saves comes off each choice's memory
     freed: dict[str, list[float]] = {}
@@ -517,6 +636,11 @@ def infeasible_error(parts: ProblemParts, request: SolveRequest) -> InfeasiblePl
         if dominant == "activations"
         else "more devices, pipeline stages, or a lighter optimizer/precision policy"
     )
+    offload = built.cost.offload
+    if offload.active:
+        helps += f" ({offload.describe()} already offloaded to host memory)"
+    elif request.offload.candidates()[-1] == offload:
+        helps += ", or allowing offload to host memory (offload='auto')"
     return InfeasiblePlanError(
         f"the model does not fit in {format_bytes(limit)} per device on "
         f"{request.mesh.describe()}: even sharded as far as the rules allow and with every "

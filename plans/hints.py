@@ -53,6 +53,7 @@ from pydantic import model_validator as _model_validator
 from autopar_plans.compression import GradCompression
 from autopar_plans.errors import HintError, InfeasiblePlanError, UsageError
 from autopar_plans.files import HINT_FILE, parse_yaml_tree, read_text
+from autopar_plans.offload import offload_request
 from autopar_plans.units import parse_bytes
 
 BanKind = Literal["tensor_parallel", "fsdp", "sequence_parallel", "data_parallel"]
@@ -186,6 +187,11 @@ class Hints(_Strict):
         description="Compress the data-parallel gradient sum: a scheme name or its "
         "fields (autopar_plans.compression; docs/communication.md).",
     )
+    offload: str | dict[str, Any] | None = Field(
+        None,
+        description="What may live in host memory: auto, none, kinds (optimizer, "
+        "activations), or kind -> on / off / auto (autopar_plans.offload).",
+    )
     _source: str = PrivateAttr(default="<hints>")
     _lines: dict[KeyPath, int] = PrivateAttr(default_factory=dict)
 
@@ -207,6 +213,12 @@ class Hints(_Strict):
     @classmethod
     def _scheme(cls, value: Any) -> Any:
         return {"scheme": value} if isinstance(value, str) else value
+
+    @field_validator("offload")
+    @classmethod
+    def _offload(cls, value: Any) -> Any:
+        offload_request(value)  # ValueError: pydantic reports it with the key's line
+        return value
 
     @field_validator("memory_limit")
     @classmethod

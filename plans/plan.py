@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from autopar_plans.ledger import CommEntry
 from autopar_plans.mesh import MeshSpec
-from autopar_plans.placement import Layout
+from autopar_plans.offload import NO_OFFLOAD, HostCopy, Offload
+from autopar_plans.placement import Layout, zero_axes
 from autopar_plans.reduction import PER_AXIS, GradReduction
 
 PLAN_VERSION = 1
@@ -56,6 +57,11 @@ class MemoryBreakdown(_Frozen):
     optimizer: float = 0.0
     activations: float = 0.0
     total: float = 0.0
+    host: float = Field(
+        0.0,
+        description="Bytes this device keeps in its host's memory (offloaded optimizer "
+        "states, master weights, their gradients and saved activations): not in total.",
+    )
 
 
 class StageEstimate(_Frozen):
@@ -89,7 +95,14 @@ class Estimate(_Frozen):
     bubble_s: float = 0.0
     recompute_s: float = 0.0
     optimizer_s: float = Field(
-        0.0, description="The optimizer's step (on the busiest stage), part of step_time_s."
+        0.0,
+        description="The optimizer's step (on the busiest stage), part of step_time_s; "
+        "offloaded, on the CPU, with its copies over the host link.",
+    )
+    offload_s: float = Field(
+        0.0,
+        description="Of step_time_s, the host link's exposed copies under offload (the "
+        "optimizer's, also in optimizer_s; the activations', also in compute_s).",
     )
     stages: tuple[StageEstimate, ...] = ()
     collectives: dict[str, int] = Field(
@@ -105,6 +118,11 @@ class Estimate(_Frozen):
         (),
         description="The ledger: every collective a step issues (autopar_plans.ledger), which the "
         "runtime's own count (CompiledModel.observed_collectives) is held to.",
+    )
+    host: tuple[HostCopy, ...] = Field(
+        (),
+        description="Copies between this device and its host per step under offload "
+        "(autopar_plans.offload), which the runtime's HostLog is held to.",
     )
 
 
@@ -208,6 +226,11 @@ class Plan(_Frozen):
         description="How gradients cross the mesh axes that replicate them: the form of "
         "a sum over several axes, compression, local SGD (autopar_plans.reduction).",
     )
+    offload: Offload = Field(
+        NO_OFFLOAD,
+        description="What lives in host memory instead of the device's: optimizer states "
+        "and master weights (stepped on the CPU), saved activations (autopar_plans.offload).",
+    )
     parallelism: Parallelism
     estimate: Estimate
     stage_mesh: MeshSpec | None = Field(
@@ -223,3 +246,10 @@ class Plan(_Frozen):
     solver: SolverReport = SolverReport()
     alternatives: tuple[Alternative, ...] = ()
     warnings: tuple[str, ...] = ()
+
+    def holds_master(self, name: str, mesh_shape: tuple[int, ...]) -> bool:
+        """Whether parameter ``name`` is held as a working copy the graph reads beside a
+        master piece the optimizer steps (``runtime.zero``): its optimizer state sharded
+        beyond it (ZeRO-1/2), or the optimizer offloaded to the host."""
+        param = self.params[name]
+        return self.offload.optimizer or bool(zero_axes(param.param, param.optimizer, mesh_shape))

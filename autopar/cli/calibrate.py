@@ -29,7 +29,9 @@ def add_parser(subparsers: Any) -> None:
         "calibrate",
         help="measure this machine and write a device preset",
         description="Measure matmul FLOP/s per dtype, memory bandwidth and collective bus "
-        "bandwidth on this machine (its first GPU, else the CPU) and write them as a preset.",
+        "bandwidth on this machine (its first GPU, else the CPU), and its host: an AdamW "
+        "step on the CPU and, with a GPU, copies between host and device; write them as a "
+        "preset.",
     )
     parser.add_argument(
         "-o",
@@ -92,9 +94,10 @@ def run(args: argparse.Namespace) -> int:
     )
     result = with_in_step(result)
     path = write_atomic(output, dump_preset(result.preset, "\n".join(result.notes)))
-    width = max(len(label) for label, _ in summary_rows(result.preset))
+    rows = summary_rows(result.preset, result.host_link_source)
+    width = max(len(label) for label, _ in rows)
     print(f"preset {result.preset.name!r}: {result.preset.description}")
-    for label, value in summary_rows(result.preset):
+    for label, value in rows:
         print(f"  {label.ljust(width)}  {value}")
     for note in result.notes[1:]:
         print(f"  note: {note}")

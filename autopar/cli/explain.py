@@ -23,6 +23,7 @@ from autopar.cli.render import console, working
 from autopar.model_source import build_model, parse_config
 from autopar.report.explain import Explanation, explain
 from autopar.report.gradients import explain_gradients
+from autopar.report.offload import explain_offload
 from autopar_passes.hints import resolve_hints
 from autopar_passes.trace import trace
 from autopar_plans.errors import UsageError
@@ -44,7 +45,8 @@ def add_parser(subparsers: Any) -> None:
         "target",
         metavar="TARGET",
         help="a parameter name, an op (linear_3) or a module path; or 'gradients': whether "
-        "gradient compression or local SGD would pay (from the plan alone)",
+        "gradient compression or local SGD would pay; or 'offload': why the plan keeps "
+        "state in host memory or not, and what it costs (both from the plan alone)",
     )
     parser.add_argument(
         "--model",
@@ -65,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     plan = load_checked_plan(args.plan)
     if args.target == "gradients":
         return _gradients(plan, args.format)
+    if args.target == "offload":
+        return _offload(plan, args.format)
     source = args.model or plan.model
     with working(f"tracing {source} to explain {args.target}"):
         try:
@@ -127,6 +131,33 @@ def _gradients(plan: Plan, form: str) -> int:
             format_seconds(row.step_time_s),
             "" if row.planned else ("+" if delta >= 0 else "-") + format_seconds(abs(delta)),
             format_bytes(row.state_bytes),
+        )
+    out.print(table)
+    out.print(escape(report.verdict))
+    return 0
+
+
+def _offload(plan: Plan, form: str) -> int:
+    """Each kind of offload on the plan: what it moves off the device and what it costs."""
+    report = explain_offload(plan)
+    if form == "json":
+        print(json.dumps(asdict(report), indent=2, sort_keys=True))
+        return 0
+    out = console()
+    table = Table(
+        title="offload to host memory (per device, per step; the busiest stage)",
+        title_justify="left",
+    )
+    for column in ("kind", "in plan", "frees on device", "host holds", "host link", "costs"):
+        table.add_column(column, justify="left" if column in ("kind", "in plan") else "right")
+    for row in report.rows:
+        table.add_row(
+            row.kind,
+            "yes" if row.used else "no",
+            format_bytes(row.frees_bytes),
+            format_bytes(row.host_bytes),
+            format_bytes(row.moved_bytes),
+            format_seconds(row.cost_s),
         )
     out.print(table)
     out.print(escape(report.verdict))

@@ -85,6 +85,13 @@ def add_parser(subparsers: Any) -> None:
         help="local_sgd: average the models every --period steps instead of summing gradients",
     )
     parser.add_argument("--period", type=int, default=1, help="local SGD's steps per averaging")
+    parser.add_argument(
+        "--offload",
+        metavar="WHAT",
+        help="what may live in host memory: auto (default: where the memory limit calls for "
+        "it), none, or kinds forced on: optimizer, activations, optimizer,activations "
+        "(docs/offload.md)",
+    )
     parser.add_argument("--time-limit", type=float, default=60.0, help="solver seconds")
     parser.add_argument(
         "--hints", type=Path, metavar="FILE", help="a hint file (YAML; see docs/hints.md)"
@@ -138,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         "grad_compression": args.grad_compression,
         "sync": args.sync,
         "period": args.period,
+        "offload": args.offload,
     }
     with working(f"tracing and planning {args.model} on {mesh.describe()}"):
         model, inputs, name = build_model(args.model, parse_config(args.config), meta=True)

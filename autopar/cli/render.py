@@ -132,6 +132,8 @@ def summary_of(plan: Plan) -> Table:
         f"{format_bytes(m.params)}, grads {format_bytes(m.grads)}, optimizer "
         f"{format_bytes(m.optimizer)}, activations {format_bytes(m.activations)}",
     )
+    if plan.offload.active:
+        summary.add_row("offload", offload_summary(plan))
     s = plan.solver
     summary.add_row(
         "solver",
@@ -139,6 +141,26 @@ def summary_of(plan: Plan) -> Table:
         f"variables, {s.constraints} constraints",
     )
     return summary
+
+
+def offload_summary(plan: Plan) -> str:
+    """What the plan keeps in host memory, how much, and what moving it costs a step."""
+    e = plan.estimate
+    moved: dict[str, float] = {}
+    for copy in e.host:
+        moved[copy.direction] = moved.get(copy.direction, 0.0) + copy.bytes
+    copies = sum(c.exposed_s for c in e.host if c.purpose == "optimizer")
+    return (
+        f"{plan.offload.describe()} in host memory: {format_bytes(e.memory_per_device_bytes.host)}"
+        f" per device; {format_bytes(moved.get('to_host', 0.0))} down and "
+        f"{format_bytes(moved.get('to_device', 0.0))} up per step, "
+        f"{format_seconds(e.offload_s)} of the step waits for the host link"
+        + (
+            f"; the optimizer steps on the CPU in {format_seconds(e.optimizer_s - copies)}"
+            if plan.offload.optimizer
+            else ""
+        )
+    )
 
 
 def time_table(plan: Plan) -> Table:

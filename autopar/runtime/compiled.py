@@ -71,6 +71,7 @@ from autopar.runtime.local_sgd import LocalSGD
 from autopar.runtime.local_shards import HOLDER as LOCAL_SHARDS
 from autopar.runtime.local_shards import LocalShards
 from autopar.runtime.memory_savers import install as install_memory_savers
+from autopar.runtime.offload import HostLog, install_activation_offload
 from autopar.runtime.pipeline import (
     Loss,
     PipelineRunner,
@@ -80,8 +81,8 @@ from autopar.runtime.pipeline import (
 )
 from autopar.runtime.precision import run_precision
 from autopar.runtime.regather import ParamGathers
-from autopar.runtime.shards import gather_full, local_of, local_slices, to_dtensor
-from autopar.runtime.zero import ZeroParam, ZeroShards, master_piece
+from autopar.runtime.shards import as_dtensor_like, gather_full, local_of, local_slices, to_dtensor
+from autopar.runtime.zero import HostSide, ZeroParam, ZeroShards, master_piece
 from autopar_passes.from_plan import PlanLayouts
 from autopar_passes.lower_spmd import LoweredGraph, local_shard, lower_spmd
 from autopar_passes.lower_stages import (
@@ -320,6 +321,12 @@ class CompiledModel(nn.Module):
             else axis_groups(self.mesh, self._comm)
         )
         zero: list[ZeroParam] = []
+        # offload (``autopar_plans.offload``): the host's memory, and the copies to and
+        # from it, counted (``host_log``) as the plan's ``Estimate.host`` counts them
+        self.host_log = HostLog()
+        self._host = (
+            HostSide(torch.device("cpu"), self.host_log) if plan.offload.optimizer else None
+        )
         # under mixed precision the parameters only matmuls read: gathered (FSDP) and held
         # as ZeRO's working copies in the compute dtype (``autopar_passes.mixed_precision``)
         self._cast = cast_for_gather(traced, plan.precision)
@@ -532,17 +539,23 @@ class CompiledModel(nn.Module):
         """Place a ZeRO-1/2 parameter: its master piece at ``target`` (what the optimizer
         steps), a working copy elsewhere that the graph's ``get_attr`` now reads."""
         plan, mesh_shape = self.plan.params[name], self.mesh.shape
-        found = zero_axes(plan.param, plan.optimizer, mesh_shape)
-        if not found:
+        if not self.plan.holds_master(name, mesh_shape):
             return None
+        found = zero_axes(plan.param, plan.optimizer, mesh_shape)
+        host = self._host
         axes = tuple(axis for axis, _ in found)
         dims = tuple(dim for _, dim in found)
         coords = tuple(self.coords[axis] for axis in axes)
         sizes = tuple(mesh_shape[axis] for axis in axes)
         piece = master_piece(local, dims, coords, sizes).clone()
-        master = nn.Parameter(
-            to_dtensor(piece, plan.optimizer, self.device_mesh, plan.shape, param=plan.param)
+        master_dt = to_dtensor(
+            piece, plan.optimizer, self.device_mesh, plan.shape, param=plan.param
         )
+        if host is not None:
+            # the master in host memory, a DTensor still (on the device's mesh, as FSDP2's
+            # CPU offload keeps its sharded parameters): the optimizer steps it there
+            master_dt = as_dtensor_like(master_dt, piece.to(host.device, copy=True))
+        master = nn.Parameter(master_dt)
         _set_attr(tree, target, master, "param")
         cast = self.precision.compute if name in self._cast else None
         working = local.to(cast or local.dtype, copy=True).requires_grad_(True)
@@ -564,6 +577,7 @@ class CompiledModel(nn.Module):
             tuple(groups[a] for a in axes),  # type: ignore[misc]
             others,
             shard_gradient=plan.grad != plan.param,
+            host=host,
             part=self._part_of.get(target, 0),
         )
 
@@ -751,6 +765,9 @@ class CompiledModel(nn.Module):
             frozenset(read_at[t] for t, n in lowered.params.items() if t in read_at and n in cast),
             gathers=self._gathers,
         )
+        if plan.offload.activations:  # after the regather: its hooks nest inside
+            for module in modules:
+                install_activation_offload(module, self.device, self.host_log)
         return modules
 
     def _call(

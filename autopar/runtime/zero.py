@@ -51,11 +51,20 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from autopar.runtime.collectives import start_reduce_scatter_rows, unflatten
 from autopar.runtime.comm import AxisGroup
 from autopar.runtime.faults import Waitable
+from autopar.runtime.offload import HostLog, device_copy, host_copy
 from autopar.runtime.param_groups import gather_group, reduce_scatter_group, scatter_rows
 from autopar.runtime.reduction import sum_flat
 from autopar.runtime.shards import local_of, set_local_grad
 from autopar_plans.buckets import open_buckets
 from autopar_plans.reduction import PER_AXIS, GradReduction
+
+
+@dataclass(frozen=True)
+class HostSide:
+    """Where offloaded masters live and what counts the copies to and from them."""
+
+    device: torch.device  # the host's (cpu)
+    log: HostLog
 
 
 @dataclass
@@ -71,6 +80,9 @@ class ZeroParam:
     zero_groups: tuple[AxisGroup, ...]
     other_groups: tuple[AxisGroup, ...]  # replicated axes that shard nothing
     shard_gradient: bool  # ZeRO-2
+    # offload (``autopar_plans.offload``): the master, its gradient and the optimizer's
+    # states live in host memory; gradients go down and masters come up through ``host``
+    host: HostSide | None = None
     seen_version: tuple[int, int] = (-1, -1)
     # the pipeline stage (of this rank's) whose backward makes its gradient: buckets keep
     # to one, so each is summed in its own stage's backward
@@ -132,19 +144,31 @@ class _Bucket:
         """Every master gathered back into its working copy, in the working copy's dtype
         (the compute dtype under mixed precision for a matmul's weight: half the bytes on
         the wire, as FSDP2 gathers in its ``param_dtype``); the last gather writes into the
-        working copies themselves."""
-        _gather_back(
-            self.params,
-            [p.master_local.to(p.working.dtype) for p in self.params],
-            into=[p.working for p in self.params],
-        )
+        working copies themselves. An offloaded master is cast on the host and copied up
+        first (into the working copy itself where no ZeRO axis splits it)."""
+        params = self.params
+        pieces = [p.master_local.to(p.working.dtype) for p in params]
+        host = self.first.host
+        if host is not None:
+            device = params[0].working.device
+            into = [p.working if not p.zero_groups else None for p in params]
+            copies = [
+                device_copy(piece, device, host.log, "optimizer", out=out)
+                for piece, out in zip(pieces, into, strict=True)
+            ]
+            pieces = [copy.wait() for copy in copies]
+        if self.first.zero_groups:
+            _gather_back(params, pieces, into=[p.working for p in params])
+        elif host is None:
+            for p, piece in zip(params, pieces, strict=True):
+                p.working.copy_(piece)
 
     def start(self) -> None:
         """Launch the first collective of the sum over the first ZeRO axis, not waiting;
         a bucket also replicated on other axes is summed whole in ``finish``."""
         first = self.first
         ready, grads = self._ready()
-        if first.other_groups or not ready:
+        if first.other_groups or not ready or not first.zero_groups:
             return
         group = first.zero_groups[0]
         dims = [p.dims[0] for p in ready]
@@ -168,6 +192,10 @@ class _Bucket:
             if self.first.other_groups:
                 grads = _all_reduce_each(grads, self.first.other_groups, self.policy)
             grads = self._sum(ready, grads, done=0)
+        host = self.first.host
+        if host is not None:  # down to the host in the dtype summed in, cast there
+            copies = [host_copy(g, host.device, host.log, "optimizer") for g in grads]
+            grads = [copy.wait() for copy in copies]
         for p, grad in zip(ready, grads, strict=True):
             if p.master.grad is None:  # a copy: not a view of the bucket's buffer
                 set_local_grad(p.master, grad.to(p.master.dtype, copy=True))
@@ -335,8 +363,9 @@ class ZeroShards:
             self._stepped.update(id(t) for t in group["params"] if id(t) in self._masters)
 
     def whole(self, p: ZeroParam, piece: torch.Tensor) -> torch.Tensor:
-        """A master-shaped tensor gathered back to the local parameter's shape."""
-        return _gather_back([p], [piece])[0]
+        """A master-shaped tensor gathered back to the local parameter's shape (on the
+        device: an offloaded piece is brought up first, outside the step's copies)."""
+        return _gather_back([p], [piece.to(p.working.device)])[0]
 
     def _held(self, bucket: _Bucket) -> bool:
         """Whether ``bucket`` keeps accumulating instead of summing now."""

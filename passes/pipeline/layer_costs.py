@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from autopar_cost_model.offload import activation_offload_time
 from autopar_passes.annotation import META_KEY, NodeAnnotation, TensorInfo, dtype_itemsize
 from autopar_passes.costs import CallKey, CostModel, SyncCall
 from autopar_passes.mixed_precision import autocast_dtypes
@@ -56,6 +57,12 @@ class Part:
     optimizer_s: float = 0.0  # the optimizer's step of the part's parameters
     boundary_bytes: float = 0.0  # what the part hands to the next, per device
     recompute_s: float = 0.0  # forward run again in backward, one microbatch
+    # offload (``autopar_plans.offload``): bytes in host memory (states; one microbatch's
+    # saved activations), and the host link's exposed seconds, one microbatch (activations:
+    # in ``compute_s`` too; the optimizer's copies are in ``optimizer_s``)
+    host_of: dict[str, float] = field(default_factory=dict)  # name -> its host bytes
+    host_activations: float = 0.0
+    offload_s: float = 0.0
     params: dict[str, float] = field(default_factory=dict)  # name -> state bytes
     optimizer_of: dict[str, float] = field(default_factory=dict)  # name -> its step's seconds
     sync_of: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> sync, step
@@ -100,7 +107,8 @@ class Part:
             for *reshard, output in self.edges:
                 f, b = cost.edge_time(*reshard, output=output, batch=scale)
                 comm += f + b
-            self._at[scale] = (forward, backward + self.recompute_s * scale, comm)
+            extra = (self.recompute_s + self.offload_s) * scale
+            self._at[scale] = (forward, backward + extra, comm)
         return self._at[scale]
 
 
@@ -171,7 +179,10 @@ def layer_costs(
             if info.name in part.params:
                 continue
             part.params[info.name] = param.memory
-            part.optimizer_of[info.name] = param.optimizer_s
+            # an offloaded optimizer's step includes its copies over the host link
+            stepped = param.optimizer_s + param.host_s
+            part.optimizer_of[info.name] = stepped
+            part.host_of[info.name] = param.host
             part.states += param.memory
             held = part.state_terms
             part.state_terms = (
@@ -184,7 +195,7 @@ def layer_costs(
             for call in param.calls:
                 part.sync_calls.setdefault(call.key, call)
             part.step_s += param.step_s
-            part.optimizer_s += param.optimizer_s
+            part.optimizer_s += stepped
     decisions = solved.decisions
     kept: set[tuple[str, int]] = set()  # activations whose resharded copy is counted
     sole = sole_keepers(decisions)
@@ -206,6 +217,10 @@ def layer_costs(
             part.forward_s += fwd
             part.ops.append((note, strategy))
             saved = cost.activation_bytes(note, strategy, node.name)
+            if cost.offload.activations:
+                moved = activation_offload_time(saved, fwd, cost.mesh_cost.preset)
+                part.compute_s += moved
+                part.offload_s += moved
             internal = (
                 cost.saved_bytes(note, strategy, output=False, node=node.name) if saved else 0
             )
@@ -262,6 +277,9 @@ def layer_costs(
         parts[layer].activations -= saving
         parts[layer].compute_s += forward
         parts[layer].recompute_s += forward
+    if cost.offload.activations:  # what each part saves is held on the host
+        for part in (pre, *parts, post):
+            part.host_activations, part.activations = part.activations, 0.0
     if autocast is None:
         autocast = autocast_dtypes(traced, solved.cost.precision)
     for index, part in enumerate(parts):

@@ -42,6 +42,7 @@ from autopar_cost_model.step import exposed_gradient_sync, mfu
 from autopar_passes.ilp import solve_ilp
 from autopar_passes.ledger import step_ledger, with_ledger
 from autopar_passes.mixed_precision import AutocastSaved, autocast_dtypes, autocast_saved
+from autopar_passes.offload_ledger import stage_host
 from autopar_passes.pipeline.layer_costs import LayerCosts, Part, first_calls, layer_costs
 from autopar_passes.pipeline.ledger import pipeline_ledger, with_pipeline_ledger
 from autopar_passes.pipeline.stage_cut import StageCut, cut_stages, evaluate_cut
@@ -899,7 +900,43 @@ def _to_plan(request: PipelineRequest, best: Candidate, others: list[Candidate])
             }
         )
         plan = plan.model_copy(update={"estimate": estimate})
+    if plan.offload.active:
+        plan = _with_host(plan, traced, best, scale)
     return plan
+
+
+def _with_host(plan: Plan, traced: TracedModel, best: Candidate, scale: float) -> Plan:
+    """``plan`` with its host side under offload (``autopar_passes.offload_ledger``): the
+    host bytes per device, the copies a step makes and their exposed seconds."""
+    costs = layer_costs(traced, best.solved)
+    p, v = best.stages, best.chunks
+    if p > 1:
+        cut = StageCut(best.first_layers, best.stage_times, (), (), ())
+        stages = _stage_parts(costs, cut, p, v)
+    else:
+        stages = [[costs.pre, *costs.layers, costs.post]]
+    preset = best.solved.cost.mesh_cost.preset
+    held, seconds, copies = stage_host(plan, traced, stages, scale, preset)
+    estimate = plan.estimate
+    per_stage = tuple(
+        stage.model_copy(
+            update={
+                "memory_per_device_bytes": stage.memory_per_device_bytes.model_copy(
+                    update={"host": held[stage.stage]}
+                )
+            }
+        )
+        for stage in estimate.stages
+    )
+    # the plan's figures: the busiest stage's
+    memory = estimate.memory_per_device_bytes.model_copy(update={"host": max(held)})
+    update = {
+        "memory_per_device_bytes": memory,
+        "stages": per_stage,
+        "host": copies,
+        "offload_s": max(seconds),
+    }
+    return plan.model_copy(update={"estimate": estimate.model_copy(update=update)})
 
 
 def _estimate(base: Plan, best: Candidate, mesh: MeshSpec, traced_batch: int) -> Estimate:

@@ -38,7 +38,6 @@ from autopar_passes.rewrites.aligned_linear import align_linears
 from autopar_passes.rewrites.fused_projection import fuse_projections
 from autopar_passes.rewrites.output_boundary import skip_output_adjoints
 from autopar_passes.trace import TracedModel
-from autopar_plans.placement import zero_axes
 from autopar_plans.plan import Plan
 
 
@@ -101,10 +100,9 @@ def _align_linears(rank: RankProgram) -> int:
 
 
 def _read_local_tensors(rank: RankProgram) -> int:
-    params = rank.plan.params
     path = {
         target: working_copy_path(target)
-        if zero_axes(params[name].param, params[name].optimizer, rank.mesh_shape)
+        if rank.plan.holds_master(name, rank.mesh_shape)
         else local_view_path(target)
         for target, name in rank.whole.params.items()
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopar_cost_model.hardware import load_preset
+from autopar_cost_model.hardware import HostLink, load_preset
 from autopar_cost_model.host import host_copy_time, host_step_time
 from autopar_cost_model.optimizer import STEP_TRAFFIC
 from autopar_plans.errors import PresetError
@@ -56,3 +56,28 @@ def test_a_preset_without_a_host_says_how_to_add_one():
     bare = load_preset("h100-sxm").model_copy(update={"host": None, "name": "mine"})
     with pytest.raises(PresetError, match="preset 'mine' says nothing of its host: add host:"):
         host_copy_time(1e6, bare, "to_device")
+
+
+def test_a_measured_optimizer_bandwidth_replaces_the_drams_peak_times_efficiency(make_preset):
+    """``autopar calibrate`` measures the host's step (``HostLink.optimizer_bandwidth``, in
+    the bytes ``STEP_TRAFFIC`` counts): then the step is that traffic at that rate, shared."""
+    link = HostLink(
+        memory_bytes=2**40,
+        memory_bandwidth=400e9,
+        to_device=50e9,
+        from_device=50e9,
+        optimizer_bandwidth=30e9,
+    )
+    preset = make_preset(gpus_per_node=4).model_copy(update={"host": link})
+    passes = STEP_TRAFFIC["adamw"].passes
+    assert host_step_time(1e9, "adamw", 4, preset, sharing=1) == pytest.approx(
+        1e9 * passes * 4 / 30e9
+    )
+    assert host_step_time(1e9, "adamw", 4, preset, sharing=2) == pytest.approx(
+        1e9 * passes * 4 / 15e9
+    )
+    assert host_step_time(1e9, "adamw", 4, preset) == pytest.approx(1e9 * passes * 4 / 7.5e9)
+    peak = preset.model_copy(update={"host": link.model_copy(update={"optimizer_bandwidth": None})})
+    assert host_step_time(1e9, "adamw", 4, peak, sharing=1) == pytest.approx(
+        1e9 * passes * 4 / (400e9 * peak.efficiency.memory)
+    )

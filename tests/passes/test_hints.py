@@ -16,6 +16,7 @@ from autopar_passes.strategies.types import Strategy
 from autopar_passes.trace import TracedModel, trace
 from autopar_plans import HintError, InfeasiblePlanError, MeshSpec, Plan
 from autopar_plans.hints import HintConflictError, Hints, hints_from_text, load_hints
+from autopar_plans.offload import offload_request
 from autopar_plans.placement import Layout, Partial, Replicate, Shard, format_spec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "hints"
@@ -43,7 +44,7 @@ def plan_hinted(
         int(n.meta["val"].shape[0]) for n in traced.graph.nodes if n.name in traced.user_inputs
     )
     request = PipelineRequest(
-        SolveRequest(mesh, memory_limit, time_limit=60.0),
+        SolveRequest(mesh, memory_limit, time_limit=60.0, offload=offload_request(hints.offload)),
         global_batch or batch,
         batch,
         "test",
@@ -377,18 +378,19 @@ def test_a_recomputing_plans_step_pays_its_recomputation(llama):
 
 def test_no_recompute_hint_against_a_limit_only_recomputation_meets_is_a_conflict(llama):
     """On one device nothing can be sharded: a limit under the plain plan's memory calls for
-    recomputation (one microbatch: no smaller ones either), and forbidding it leaves no
-    plan; the error names the hint."""
+    recomputation (one microbatch: no smaller ones either; no offload either), and
+    forbidding it leaves no plan; the error names the hint."""
     one = MeshSpec((1,), ("dp",), device="h100-sxm")
-    stages = hints_from_text("pipeline: {stages: 1, microbatches: 1}\n")
+    stages = hints_from_text("pipeline: {stages: 1, microbatches: 1}\noffload: none\n")
     memory = plan_hinted(llama, one, stages).estimate.memory_per_device_bytes
     limit = memory.total - 0.3 * memory.activations
     tight = plan_hinted(llama, one, stages, memory_limit=limit)
     assert any(r.kind == "full" for r in tight.recompute)
     hints = hints_from_text(
-        "pipeline: {stages: 1, microbatches: 1}\nno_recompute: [layers.*]\n", "h.yaml"
+        "pipeline: {stages: 1, microbatches: 1}\noffload: none\nno_recompute: [layers.*]\n",
+        "h.yaml",
     )
-    with pytest.raises(HintConflictError, match=r'h\.yaml:2: no_recompute "layers\.\*"'):
+    with pytest.raises(HintConflictError, match=r'h\.yaml:3: no_recompute "layers\.\*"'):
         plan_hinted(llama, one, hints, memory_limit=limit)
 
 

@@ -1,0 +1,119 @@
+"""Offload trains what the device trains: each offload policy, forced by a hint, on real gloo
+ranks (a 2 x 2 mesh) with data parallelism, FSDP and a two-stage pipeline.
+
+Per case one spawn trains gpt-tiny three AdamW steps with and without the offload and
+checks, rank by rank:
+
+- the final parameters are the non-offloaded run's (1e-5; they come out bit-equal: the host
+  steps the same fp32 values);
+- the collectives are still exactly the plan's ledger, and the host copies of the last step
+  are the plan's ``Estimate.host``: the optimizer's byte for byte and call for call, the
+  activations' within the saved-activation estimate's accuracy (``docs/activation_memory.md``);
+- offloaded state round-trips through the sharded checkpoint: saved from the offloaded
+  run (model and optimizer) and loaded into a fresh model with or without the offload,
+  one more step gives the uninterrupted run's parameters;
+- the model state held on the device side of the code path (the weights the forward
+  reads, the optimizer's states) and on the host side (masters, their gradients and
+  states) are the plan's ``MemoryBreakdown`` figures, so the device's memory drops by what
+  the plan says it does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from autopar.testing.ranks import run_ranks
+from tests.autopar.runtime.offload_cases import offload_runs
+
+pytestmark = pytest.mark.multirank
+
+CASES: dict[str, dict[str, Any]] = {
+    "dp/optimizer": {"force": "dp", "offload": "optimizer", "checkpoint": True},
+    "fsdp/optimizer": {"force": "fsdp", "offload": "optimizer", "checkpoint": True},
+    "dp/zero1/bf16_mixed/optimizer": {
+        "force": "dp",
+        "zero": 1,
+        "precision": "bf16_mixed",
+        "offload": "optimizer",
+    },
+    "dp/activations": {"force": "dp", "offload": "activations"},
+    "fsdp/activations": {"force": "fsdp", "offload": "activations"},
+    "pp/1f1b/both": {
+        "force": "dp",
+        "stages": 2,
+        "microbatches": 4,
+        "offload": "optimizer,activations",
+    },
+}
+# the saved-activation estimate's accuracy (tests/autopar/runtime/test_activation_memory.py)
+ACTIVATIONS_RTOL = 0.1
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, list[dict[str, Any]]]:
+    per_rank = run_ranks(offload_runs, 4, ((2, 2), list(CASES.values())))
+    return {name: [rank[i] for rank in per_rank] for i, name in enumerate(CASES)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_offloaded_training_ends_with_the_same_parameters(
+    results: dict[str, list[dict[str, Any]]], case: str
+) -> None:
+    for result in results[case]:
+        plain, offloaded = result["plain"], result["offloaded"]
+        wanted = dict.fromkeys(k for k in CASES[case]["offload"].split(","))
+        assert [k for k, on in offloaded["offload"].items() if on] == list(wanted)
+        assert not any(plain["offload"].values())
+        for name, value in plain["params"].items():
+            torch.testing.assert_close(offloaded["params"][name], value, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_collectives_and_host_copies_are_the_plans(
+    results: dict[str, list[dict[str, Any]]], case: str
+) -> None:
+    for result in results[case]:
+        offloaded = result["offloaded"]
+        assert offloaded["observed"] == offloaded["planned"]
+        copied, planned = offloaded["copied"], offloaded["host_plan"]
+        assert set(copied) == set(planned)
+        for (purpose, direction), (nbytes, calls) in copied.items():
+            want_bytes, want_calls = planned[(purpose, direction)]
+            if purpose == "optimizer":  # one copy per parameter piece each way
+                assert (nbytes, calls) == (want_bytes, want_calls)
+            else:
+                assert nbytes == pytest.approx(want_bytes, rel=ACTIVATIONS_RTOL)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_device_and_host_state_bytes_are_the_plans(
+    results: dict[str, list[dict[str, Any]]], case: str
+) -> None:
+    for result in results[case]:
+        plain, offloaded = result["plain"], result["offloaded"]
+        held, memory = offloaded["held"], offloaded["memory"]
+        assert held["params"] == memory["params"]
+        assert held["optimizer"] == memory["optimizer"]
+        if "optimizer" in CASES[case]["offload"]:
+            # the optimizer's bytes leave the device whole, for the host
+            assert memory["optimizer"] == 0 < plain["memory"]["optimizer"]
+            assert held["host"] > plain["held"]["optimizer"]
+        if "activations" in CASES[case]["offload"]:
+            assert memory["activations"] == 0 < plain["memory"]["activations"]
+        else:
+            assert held["host"] == memory["host"]
+
+
+@pytest.mark.parametrize("case", [c for c, spec in CASES.items() if spec.get("checkpoint")])
+def test_offloaded_state_round_trips_through_the_sharded_checkpoint(
+    results: dict[str, list[dict[str, Any]]], case: str
+) -> None:
+    for result in results[case]:
+        resumed = result["resumed"]
+        want = resumed["uninterrupted"]
+        for offload in (None, CASES[case]["offload"]):
+            for name, value in want.items():
+                torch.testing.assert_close(resumed[offload][name], value, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,55 @@
+"""``autopar plan --offload`` and ``autopar explain PLAN offload``, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopar_plans import load_plan
+from tests.autopar.test_cli_inspect import run
+
+
+@pytest.fixture(scope="module")
+def offloaded(tmp_path_factory: pytest.TempPathFactory):
+    """llama-tiny on two H100s with the optimizer forced to the host, as a plan file."""
+    path = tmp_path_factory.mktemp("plans") / "offloaded.json"
+    result = run(
+        "plan", "llama-tiny", "--mesh", "2", "--device", "h100-sxm", "--stages", "1",
+        "--offload", "optimizer", "-o", str(path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return path, result.stdout
+
+
+def test_the_summary_says_what_is_offloaded_and_what_it_costs(offloaded):
+    path, stdout = offloaded
+    plan = load_plan(path)
+    assert plan.offload.optimizer and not plan.offload.activations
+    assert "optimizer states in host memory" in stdout
+    assert "the optimizer steps on the CPU" in stdout
+
+
+def test_explain_offload_answers_from_the_plan_alone(offloaded):
+    path, _ = offloaded
+    result = run("explain", str(path), "offload", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    rows = {row["kind"]: row for row in report["rows"]}
+    assert rows["optimizer"]["used"] and not rows["activations"]["used"]
+    plan = load_plan(path)
+    host = plan.estimate.memory_per_device_bytes.host
+    assert rows["optimizer"]["host_bytes"] == pytest.approx(host)
+    assert rows["optimizer"]["moved_bytes"] == pytest.approx(
+        sum(c.bytes for c in plan.estimate.host)
+    )
+    # forced with room to spare, which the verdict says
+    assert "would fit without it" in report["verdict"]
+    table = run("explain", str(path), "offload")
+    assert table.returncode == 0 and "frees on device" in table.stdout
+
+
+def test_a_bad_offload_value_exits_2_naming_the_kinds():
+    result = run("plan", "llama-tiny", "--mesh", "2", "--offload", "weights")
+    assert result.returncode == 2
+    assert "optimizer, activations" in result.stderr

@@ -1,0 +1,106 @@
+"""Offload as the planner's choice (``autopar_plans.offload``): where nothing else fits the
+optimizer's states go to the host; a hint forces or forbids each kind; a device whose
+memory is the host's is never offloaded unasked.
+
+GPT-2 small's shape (4 layers) on two H100s, bf16 mixed precision, one microbatch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar.cli.render import offload_summary
+from autopar_examples.models import build
+from autopar_plans import InfeasiblePlanError
+from autopar_plans.errors import HintError, UsageError
+
+OPTIONS = {"precision": "bf16_mixed", "stages": 1, "microbatches": 1}
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    model, inputs = build("gpt2-124m", device="meta", batch_size=4, n_layer=4)
+    mesh = autopar.Mesh((2,), device="h100-sxm")
+    # every state sharded over both devices: the least any plan without offload holds
+    fsdp = autopar.plan(model, mesh, inputs, force="fsdp", offload="none", **OPTIONS)
+    memory = fsdp.estimate.memory_per_device_bytes
+    floor = memory.total - memory.activations
+    return model, inputs, mesh, fsdp, floor
+
+
+def test_where_only_offload_fits_the_plan_offloads_the_optimizer_and_says_so(gpt):
+    model, inputs, mesh, fsdp, floor = gpt
+    limit = 0.8 * floor  # below every sharding's model states
+    with pytest.raises(InfeasiblePlanError, match=r"allowing offload to host memory"):
+        autopar.plan(model, mesh, inputs, memory_limit=limit, offload="none", **OPTIONS)
+    plan = autopar.plan(model, mesh, inputs, memory_limit=limit, **OPTIONS)
+    assert plan.offload.optimizer
+    memory = plan.estimate.memory_per_device_bytes
+    assert memory.total <= limit * (1 + 1e-6)
+    assert memory.optimizer == 0
+    # the host holds at least what the device no longer does: the states and masters
+    assert memory.host >= fsdp.estimate.memory_per_device_bytes.optimizer
+    # slower than the plan with room: the step waits for the host link and the CPU's step
+    assert plan.estimate.step_time_s > fsdp.estimate.step_time_s
+    assert plan.estimate.offload_s > 0
+    assert plan.estimate.optimizer_s > fsdp.estimate.optimizer_s
+    copies = {(c.purpose, c.direction): c for c in plan.estimate.host}
+    assert set(copies) == {("optimizer", "to_host"), ("optimizer", "to_device")}
+    assert copies["optimizer", "to_host"].calls == len(plan.params)
+    assert offload_summary(plan).startswith("optimizer states in host memory")
+
+
+def test_with_room_nothing_is_offloaded(gpt):
+    model, inputs, mesh, *_ = gpt
+    plan = autopar.plan(model, mesh, inputs, **OPTIONS)
+    assert not plan.offload.active
+    assert plan.estimate.memory_per_device_bytes.host == 0 and not plan.estimate.host
+
+
+def test_a_hint_forces_an_offload_with_room_to_spare_and_another_forbids_it(gpt):
+    model, inputs, mesh, _, floor = gpt
+    forced = autopar.plan(
+        model, mesh, inputs, hints={"offload": {"activations": "on"}}, **OPTIONS
+    )
+    assert forced.offload.activations and not forced.offload.optimizer
+    memory = forced.estimate.memory_per_device_bytes
+    assert memory.activations == 0 < memory.host
+    forbidden = {"offload": {"optimizer": "off", "activations": "off"}}
+    with pytest.raises(InfeasiblePlanError):
+        autopar.plan(model, mesh, inputs, memory_limit=0.8 * floor, hints=forbidden, **OPTIONS)
+
+
+def test_a_hint_and_an_option_that_disagree_are_refused(gpt):
+    model, inputs, mesh, *_ = gpt
+    with pytest.raises(HintError, match="offload"):
+        autopar.plan(
+            model, mesh, inputs, hints={"offload": "optimizer"}, offload="none", **OPTIONS
+        )
+
+
+def test_a_bad_offload_option_names_what_is_allowed(gpt):
+    model, inputs, mesh, *_ = gpt
+    with pytest.raises(UsageError, match="optimizer, activations"):
+        autopar.plan(model, mesh, inputs, offload="weights", **OPTIONS)
+
+
+def test_a_device_whose_memory_is_the_hosts_is_offloaded_only_when_told():
+    """On the ``cpu`` preset the host is the device (``HostLink.shared``): offloading frees
+    nothing, so a tight limit is met by recomputation and a forced offload still runs."""
+    model, inputs = build("gpt-tiny", device="meta", batch_size=4)
+    mesh = autopar.Mesh((1,), device="cpu")
+    roomy = autopar.plan(model, mesh, inputs, stages=1, microbatches=1)
+    memory = roomy.estimate.memory_per_device_bytes
+    limit = memory.total - 0.5 * memory.activations
+    tight = autopar.plan(model, mesh, inputs, memory_limit=limit, stages=1, microbatches=1)
+    assert not tight.offload.active and tight.recompute
+    forced = autopar.plan(model, mesh, inputs, offload="optimizer", stages=1, microbatches=1)
+    assert forced.offload.optimizer
+
+
+def test_forced_recomputation_and_forced_activation_offload_exclude_each_other(gpt):
+    model, inputs, mesh, *_ = gpt
+    hints = {"recompute": ["layers.*"], "offload": "activations"}
+    with pytest.raises(UsageError, match="recomputes activations"):
+        autopar.plan(model, mesh, inputs, hints=hints, **OPTIONS)
