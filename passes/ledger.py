@@ -455,7 +455,6 @@ def _fsdp_groups(
     groups: dict[GroupKey, list[Reshard]] = {}
     singles: list[Reshard] = []
     layers_seen: set[int] = set()
-    mesh_shape = (plan.stage_mesh or plan.mesh).shape
     for reshard in reshards:
         param = reshard.param
         grouped = (
@@ -463,7 +462,6 @@ def _fsdp_groups(
             and bool(reshard.calls)
             and reshard.calls[0].kind == "all_gather"
             and not reshard.starts_local
-            and not plan.holds_master(param, mesh_shape)
         )
         if not grouped:
             singles.append(reshard)

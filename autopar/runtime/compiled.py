@@ -750,10 +750,13 @@ class CompiledModel(nn.Module):
             _share_tree(module, self._tree)
             module.register_forward_pre_hook(local_shards.refresh)
             modules.append(module)
+        # where each program reads a parameter: its local view, or the working copy of a
+        # parameter ZeRO or an offloaded optimizer holds (FSDP groups either's gathers)
         read_at = {
-            target: local_view_path(target)
+            target: working_copy_path(target)
+            if param_name in self._zero_names
+            else local_view_path(target)
             for target, param_name in lowered.params.items()
-            if param_name not in self._zero_names
         }
         cast = cast_for_gather(traced, plan.precision)
         layers = _param_layers(traced, lowered)
