@@ -185,7 +185,11 @@ def memory_table(plan: Plan) -> Table:
     for column in ("", "params", "grads", "optimizer", "activations", "total", "of limit"):
         table.add_column(column, justify="right" if column else "left")
     limit = plan.memory_limit_bytes
-    for bar in memory_bars(plan):
+    bars = memory_bars(plan)
+    hosted = any(bar.host for bar in bars)
+    if hosted:  # offload: what each device keeps in host memory, beside its own
+        table.add_column("in host memory", justify="right")
+    for bar in bars:
         share = f"{100 * bar.total / limit:.0f}%" if limit else ""
         table.add_row(
             bar.label,
@@ -195,6 +199,7 @@ def memory_table(plan: Plan) -> Table:
             format_bytes(bar.activations),
             format_bytes(bar.total),
             share,
+            *([format_bytes(bar.host)] if hosted else []),
         )
     return table
 

@@ -125,7 +125,9 @@ def draw_memory(ax: Axes, plan: Plan) -> None:
         ax.bar(range(len(bars)), values, bottom=bottoms, color=colour, label=name, width=0.6)
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
     for i, bar in enumerate(bars):
-        ax.text(i, bar.total * scale, format_bytes(bar.total), ha="center", va="bottom", fontsize=8)
+        # under offload, what the device keeps in host memory too (not in the bar)
+        label = format_bytes(bar.total) + (f"\n+ {format_bytes(bar.host)} host" if bar.host else "")
+        ax.text(i, bar.total * scale, label, ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(bars)))
     ax.set_xticklabels([bar.label for bar in bars])
     ax.set_ylabel(f"per device ({unit})")

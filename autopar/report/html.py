@@ -156,7 +156,12 @@ def _memory_table(plan: Plan) -> str:
         for bar in memory_bars(plan)
     ]
     header = ["", "params", "grads", "optimizer", "activations", "total", "of limit"]
-    return _table(header, rows, {1, 2, 3, 4, 5, 6})
+    bars = memory_bars(plan)
+    if any(bar.host for bar in bars):  # offload: what each device keeps in host memory
+        header.append("in host memory")
+        for row, bar in zip(rows, bars, strict=True):
+            row.append(format_bytes(bar.host))
+    return _table(header, rows, set(range(1, len(header))))
 
 
 def _layouts_table(plan: Plan) -> str:

@@ -43,6 +43,7 @@ class MemoryBar:
     grads: float
     optimizer: float
     activations: float
+    host: float = 0.0  # offloaded to host memory (``autopar_plans.offload``): not in total
 
     @property
     def total(self) -> float:
@@ -141,7 +142,14 @@ def memory_bars(plan: Plan) -> list[MemoryBar]:
     whole = plan.estimate.memory_per_device_bytes
     if not plan.estimate.stages:
         return [
-            MemoryBar("every device", whole.params, whole.grads, whole.optimizer, whole.activations)
+            MemoryBar(
+                "every device",
+                whole.params,
+                whole.grads,
+                whole.optimizer,
+                whole.activations,
+                whole.host,
+            )
         ]
     states = whole.params + whole.grads + whole.optimizer
     bars = []
@@ -155,7 +163,7 @@ def memory_bars(plan: Plan) -> list[MemoryBar]:
                 for part in (whole.params, whole.grads, whole.optimizer)
             )
         )
-        bars.append(MemoryBar(f"stage {stage.stage}", *own, memory.activations))
+        bars.append(MemoryBar(f"stage {stage.stage}", *own, memory.activations, memory.host))
     return bars
 
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from autopar_plans import load_plan
+from autopar_plans.units import format_bytes
 from tests.autopar.test_cli_inspect import run
 
 
@@ -54,3 +55,14 @@ def test_a_bad_offload_value_exits_2_naming_the_kinds():
     result = run("plan", "llama-tiny", "--mesh", "2", "--offload", "weights")
     assert result.returncode == 2
     assert "optimizer, activations" in result.stderr
+
+
+def test_the_memory_views_show_what_each_device_keeps_in_host_memory(offloaded, tmp_path):
+    path, stdout = offloaded
+    host = load_plan(path).estimate.memory_per_device_bytes.host
+    assert "in host memory" in " ".join(stdout.replace("│", " ").split())
+    report = tmp_path / "report.html"
+    result = run("show", str(path), "--report", str(report))
+    assert result.returncode == 0, result.stderr
+    page = report.read_text()
+    assert "in host memory" in page and format_bytes(host) in page
