@@ -637,7 +637,7 @@ class CostModel:
             step += op_time(0.0, gather_b if zero_axes else 0.0, "float32", preset)
         elif others and sync:
             sync += op_time(0.0, bucket_copy_bytes(local, master, wire_size), "float32", preset)
-        step_s = optimizer_step_time(stepped, self.optimizer, master, preset)
+        optimizer_s = optimizer_step_time(stepped, self.optimizer, master, preset)
         host = host_s = 0.0
         optimizer_b = optimizer / shard / zero_shard
         if self.offload.optimizer:
@@ -652,14 +652,14 @@ class CostModel:
             # the master's gradient piece lives beside it, in the master's width
             host = optimizer_b + info.numel * master / shard / zero_shard
             optimizer_b = 0.0
-            host_s, step_s = offloaded.copy_s, offloaded.host_s
+            host_s, optimizer_s = offloaded.copy_s, offloaded.host_s
         return ParamCost(
             params=params / shard,
             grads=grads / shard / (zero_shard if zero >= 2 else 1),
             optimizer=optimizer_b,
             sync_s=sync,
             step_s=step,
-            optimizer_s=step_s,
+            optimizer_s=optimizer_s,
             host=host,
             host_s=host_s,
             calls=self._sync_calls(
