@@ -449,7 +449,7 @@ def _resumed(cases: list[dict[str, Any]]) -> list[str]:
 
 
 def frontier(record: dict[str, Any] | None) -> str:
-    lines = ["## Recompute frontier: memory limit against step time", ""]
+    lines = ["## Memory frontier: ZeRO, recomputation and offload against step time", ""]
     if record is None or "stdout" not in record["data"]:
         return "\n".join([*lines, _missing("frontier")])
     if record["data"].get("returncode"):
@@ -476,6 +476,14 @@ def frontier(record: dict[str, Any] | None) -> str:
         *table,
         "",
         f"![memory limit against step time]({record['data']['plot']})",
+        "",
+        "How to read it: each row is the planner's own choice at that limit, never over it. As "
+        "the limit falls it shards the optimizer state (ZeRO), then the weights, then "
+        "recomputes layers; offload (`docs/offload.md`) enters only where no sharding with "
+        "recomputation fits: the optimizer's states and masters go to the host, and the step "
+        "then waits for the CPU's AdamW step (at the node's host bandwidth shared by its 8 "
+        "devices) and the copies over PCIe; at the last row the saved activations go too. "
+        "Estimates (no GPU here).",
     ]
     return "\n".join(lines)
 
