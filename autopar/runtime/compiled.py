@@ -554,7 +554,9 @@ class CompiledModel(nn.Module):
         if host is not None:
             # the master in host memory, a DTensor still (on the device's mesh, as FSDP2's
             # CPU offload keeps its sharded parameters): the optimizer steps it there
-            master_dt = as_dtensor_like(master_dt, piece.to(host.device, copy=True))
+            pinned = self.device.type == "cuda"  # so its copies up and down are truly async
+            hosted = torch.empty_like(piece, device=host.device, pin_memory=pinned)
+            master_dt = as_dtensor_like(master_dt, hosted.copy_(piece))
         master = nn.Parameter(master_dt)
         _set_attr(tree, target, master, "param")
         cast = self.precision.compute if name in self._cast else None

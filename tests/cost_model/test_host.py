@@ -30,6 +30,20 @@ def test_gpu_presets_carry_their_nodes_host_from_the_datasheet_arithmetic(name, 
     assert host.memory_bandwidth == pytest.approx(dram, rel=1e-9)
 
 
+def test_grace_hopper_reaches_its_host_over_nvlink_c2c():
+    """GH200: each superchip's own Grace CPU over NVLink-C2C (900 GB/s both ways together),
+    480 GB of LPDDR5X at 512 GB/s per superchip, four superchips a node: a gigabyte
+    crosses seven times faster than over an H100's PCIe Gen5."""
+    gh200 = load_preset("gh200")
+    host = gh200.host
+    assert host is not None
+    assert host.to_device == host.from_device == 900e9 / 2
+    assert host.memory_bytes == gh200.gpus_per_node * 480e9
+    assert host.memory_bandwidth == gh200.gpus_per_node * 512e9
+    pcie = host_copy_time(1e9, load_preset("h100-sxm"), "to_device")
+    assert pcie / host_copy_time(1e9, gh200, "to_device") > 7
+
+
 def test_a_copy_is_its_latency_plus_the_bytes_at_the_links_reachable_rate():
     h100 = load_preset("h100-sxm")
     host = h100.host
