@@ -93,7 +93,7 @@ def test_a_stopped_quality_run_renders_the_cases_it_finished_marked_partial(tmp_
     out = tmp_path / "BENCHMARKS.md"
     main(["--render", "--out", str(out), "--results", str(results)])
     text = out.read_text()
-    section = text[text.index("## Plan quality") : text.index("## Recompute frontier")]
+    section = text[text.index("## Plan quality") : text.index("## Memory frontier")]
     assert "**Partial record**: the run was stopped after 1 of its cases" in section
     assert "| m | 1x8 | 8 |" in section
 

@@ -2,7 +2,8 @@
 optimizer's states go to the host; a hint forces or forbids each kind; a device whose
 memory is the host's is never offloaded unasked.
 
-GPT-2 small's shape (4 layers) on two H100s, bf16 mixed precision, one microbatch.
+llama-tiny on two H100s (a tight limit stands in for a large model), bf16 mixed precision,
+one microbatch.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 
 import autopar
 from autopar.cli.render import offload_summary
+from autopar_cost_model.hardware import dump_preset, load_preset
 from autopar_examples.models import build
 from autopar_plans import InfeasiblePlanError
 from autopar_plans.errors import HintError, UsageError
@@ -20,7 +22,7 @@ OPTIONS = {"precision": "bf16_mixed", "stages": 1, "microbatches": 1}
 
 @pytest.fixture(scope="module")
 def gpt():
-    model, inputs = build("gpt2-124m", device="meta", batch_size=4, n_layer=4)
+    model, inputs = build("llama-tiny", device="meta", batch_size=4)
     mesh = autopar.Mesh((2,), device="h100-sxm")
     # every state sharded over both devices: the least any plan without offload holds
     fsdp = autopar.plan(model, mesh, inputs, force="fsdp", offload="none", **OPTIONS)
@@ -60,9 +62,7 @@ def test_with_room_nothing_is_offloaded(gpt):
 
 def test_a_hint_forces_an_offload_with_room_to_spare_and_another_forbids_it(gpt):
     model, inputs, mesh, _, floor = gpt
-    forced = autopar.plan(
-        model, mesh, inputs, hints={"offload": {"activations": "on"}}, **OPTIONS
-    )
+    forced = autopar.plan(model, mesh, inputs, hints={"offload": {"activations": "on"}}, **OPTIONS)
     assert forced.offload.activations and not forced.offload.optimizer
     memory = forced.estimate.memory_per_device_bytes
     assert memory.activations == 0 < memory.host
@@ -74,9 +74,7 @@ def test_a_hint_forces_an_offload_with_room_to_spare_and_another_forbids_it(gpt)
 def test_a_hint_and_an_option_that_disagree_are_refused(gpt):
     model, inputs, mesh, *_ = gpt
     with pytest.raises(HintError, match="offload"):
-        autopar.plan(
-            model, mesh, inputs, hints={"offload": "optimizer"}, offload="none", **OPTIONS
-        )
+        autopar.plan(model, mesh, inputs, hints={"offload": "optimizer"}, offload="none", **OPTIONS)
 
 
 def test_a_bad_offload_option_names_what_is_allowed(gpt):
@@ -104,3 +102,24 @@ def test_forced_recomputation_and_forced_activation_offload_exclude_each_other(g
     hints = {"recompute": ["layers.*"], "offload": "activations"}
     with pytest.raises(UsageError, match="recomputes activations"):
         autopar.plan(model, mesh, inputs, hints=hints, **OPTIONS)
+
+
+def test_a_host_too_small_for_the_offloaded_state_is_refused_saying_how_much(gpt, tmp_path):
+    """The node's host memory is shared by its devices: an offload plan whose host bytes per
+    device exceed that share is no plan (here a node whose host holds one device's)."""
+    model, inputs, mesh, _, floor = gpt
+    needs = autopar.plan(model, mesh, inputs, memory_limit=0.8 * floor, **OPTIONS)
+    host = needs.estimate.memory_per_device_bytes.host
+    h100 = load_preset("h100-sxm")
+    assert h100.host is not None
+    small = h100.model_copy(
+        update={
+            "name": "h100-small-host",
+            "host": h100.host.model_copy(update={"memory_bytes": host}),
+        }
+    )
+    path = tmp_path / "h100-small-host.yaml"
+    path.write_text(dump_preset(small))
+    small_mesh = autopar.Mesh((2,), device=str(path))  # two devices share it: half each
+    with pytest.raises(InfeasiblePlanError, match=r"of host memory per device where each"):
+        autopar.plan(model, small_mesh, inputs, memory_limit=0.8 * floor, **OPTIONS)

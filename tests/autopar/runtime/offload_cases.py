@@ -78,10 +78,15 @@ def offload_runs(
     final parameters with and without the offload, the last step's collectives and host
     copies next to the plan's, and the state bytes held next to the plan's memory."""
     results = []
+    plain: dict[tuple[Any, ...], dict[str, Any]] = {}  # the runs without offload, by setup
     for case in cases:
         runs = {}
         trained = {}
+        key = tuple(case.get(k) for k in ("force", "stages", "microbatches", "zero", "precision"))
         for offload in (None, case["offload"]):
+            if offload is None and key in plain and not case.get("checkpoint"):
+                runs[None] = plain[key]  # the same run as an earlier case's
+                continue
             compiled, batch = _compile(case, mesh_shape, offload)
             optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
             for _ in range(STEPS):
@@ -121,6 +126,7 @@ def offload_runs(
                 "held": _held(compiled, optimizer),
                 "memory": memory.model_dump(),
             }
+        plain.setdefault(key, runs[None])
         result = {"case": case, "plain": runs[None], "offloaded": runs[case["offload"]]}
         if case.get("checkpoint"):
             result["resumed"] = _resumed(case, mesh_shape, trained)
