@@ -15,7 +15,7 @@ HEADERS = [
     "## Trace time on the meta device",
     "## Planning speed",
     "## Plan quality against hand-written parallelism",
-    "## Recompute frontier: memory limit against step time",
+    "## Memory frontier: ZeRO, recomputation and offload against step time",
     "## Pipeline search",
     "## Runtime on real ranks",
     "## GPU (H200)",
@@ -47,7 +47,7 @@ def test_regenerating_keeps_the_mixture_of_experts_section(tmp_path):
     second = render.document({}, added)
     assert second.count("## Mixture-of-experts") == 1
     assert "expert figures" in second and "more expert figures" in second
-    assert second.index("more expert figures") < second.index("## Recompute frontier")
+    assert second.index("more expert figures") < second.index("## Memory frontier")
 
 
 def _record(data):
