@@ -536,8 +536,9 @@ class CompiledModel(nn.Module):
         local: torch.Tensor,
         tree: nn.Module,
     ) -> ZeroParam | None:
-        """Place a ZeRO-1/2 parameter: its master piece at ``target`` (what the optimizer
-        steps), a working copy elsewhere that the graph's ``get_attr`` now reads."""
+        """Place a ZeRO-1/2 parameter, or any under an offloaded optimizer: its master piece
+        at ``target`` (what the optimizer steps; in host memory when offloaded), a working
+        copy elsewhere that the graph's ``get_attr`` now reads."""
         plan, mesh_shape = self.plan.params[name], self.mesh.shape
         if not self.plan.holds_master(name, mesh_shape):
             return None

@@ -103,14 +103,16 @@ def compare(
         options = more[0] if more else {}
         model, inputs, target = make_case(name)
         exact = exact_run(model, inputs, target, name) if rank == 0 else {}
-        reference = copy.deepcopy(model)
-        ref_losses, ref_grads, _ = train(
-            reference,
-            inputs,
-            target,
-            name,
-            lambda ref=reference: {n: p.grad.clone() for n, p in ref.named_parameters()},
-        )
+        buffer_names = [n for n, _ in model.named_buffers()]
+        if rank == 0:  # the references on rank 0 alone, which reports
+            reference = copy.deepcopy(model)
+            ref_losses, ref_grads, _ = train(
+                reference,
+                inputs,
+                target,
+                name,
+                lambda ref=reference: {n: p.grad.clone() for n, p in ref.named_parameters()},
+            )
         compiled = autopar.compile(model, mesh, example_inputs=inputs, force=style, **options)
         names_ = list(compiled.plan.params)
         losses, grads, optimizer = train(
@@ -121,11 +123,11 @@ def compare(
             lambda c=compiled, ns=names_: {n: c.full_gradient(n) for n in ns},
         )
         params = {n: compiled.full_parameter(n) for n in names_}
-        ref_params = dict(reference.named_parameters())
         # what the steps changed besides the parameters (batch norms' running statistics)
         state = compiled.state_dict()
-        buffers = {n: state[n] for n, _ in reference.named_buffers() if n in state}
+        buffers = {n: state[n] for n in buffer_names if n in state}
         if rank == 0:
+            ref_params = dict(reference.named_parameters())
             results.append(
                 {
                     "case": f"{name}/{style or 'free'}"

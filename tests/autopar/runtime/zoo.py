@@ -32,15 +32,16 @@ def compare_zoo(
     results = []
     for family, style in cases:
         model, kwargs = hf_tiny(family)
-        reference = copy.deepcopy(model)
-        ref_loss, ref_grads = _step(reference, kwargs)
+        # the references on rank 0 alone, which reports (the others would only repeat them)
+        ref_loss, ref_grads = _step(copy.deepcopy(model), kwargs) if rank == 0 else (0.0, {})
         exact_loss, exact_grads = (
             _step(in_float64(model), double_inputs(kwargs)) if rank == 0 else (0.0, {})
         )
         compiled = autopar.compile(model, mesh, example_kwargs=kwargs, force=style)
         loss = compiled(**kwargs).loss
         loss.backward()
-        grads = {n: compiled.full_gradient(n) for n in ref_grads}  # collective: every rank
+        # collective: every rank, each parameter by its name
+        grads = {n: compiled.full_gradient(n) for n, _ in model.named_parameters()}
         if rank == 0:
             results.append(
                 {
