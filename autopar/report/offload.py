@@ -64,7 +64,8 @@ def explain_offload(plan: Plan) -> OffloadReport:
 
 
 def _busiest_params(plan: Plan) -> list[str]:
-    """The parameters of the stage that holds the most of them (all without a pipeline)."""
+    """The parameters of the stage that holds the most of them (all without a pipeline; a
+    pipeline plan whose parameters do not say their stage gives all: an upper bound)."""
     by_stage: dict[int, list[str]] = {}
     for name, param in plan.params.items():
         by_stage.setdefault(param.stage, []).append(name)
