@@ -343,7 +343,17 @@ def _solve(
         )
 
     host_limit = _host_limit(mesh_cost)
-    candidates = offload_candidates(request, mesh_cost.preset)
+    candidates = [
+        c
+        for c in offload_candidates(request, mesh_cost.preset)
+        if offload_levels(request.zero_levels, c)
+    ]
+    if not candidates:
+        raise UsageError(
+            "zero=2 sums each microbatch's gradients into the master's piece, and an "
+            "offloaded optimizer keeps the masters on the host: force zero 0 or 1, or do "
+            "not force offload='optimizer'"
+        )
     first = candidates[0]
     if request.memory_limit is None or not request.known_unfit:
         fastest = _fastest_unlimited(

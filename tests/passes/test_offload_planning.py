@@ -123,3 +123,9 @@ def test_a_host_too_small_for_the_offloaded_state_is_refused_saying_how_much(gpt
     small_mesh = autopar.Mesh((2,), device=str(path))  # two devices share it: half each
     with pytest.raises(InfeasiblePlanError, match=r"of host memory per device where each"):
         autopar.plan(model, small_mesh, inputs, memory_limit=0.8 * floor, **OPTIONS)
+
+
+def test_zero2_and_a_forced_optimizer_offload_exclude_each_other(gpt):
+    model, inputs, mesh, *_ = gpt
+    with pytest.raises(UsageError, match="zero=2 sums each microbatch"):
+        autopar.plan(model, mesh, inputs, zero=2, offload="optimizer", **OPTIONS)
