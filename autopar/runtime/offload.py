@@ -255,16 +255,17 @@ def offloads(tensor: torch.Tensor, device: torch.device, *, min_bytes: int = 0) 
     """Whether ``ActivationOffload`` moves this saved tensor to the host (the rule the
     plan's estimate must use too).
 
-    Offloaded: a plain strided floating-point tensor on ``device`` with ``numel > 0``,
-    whose storage holds at least ``min_bytes``, that is not a parameter or a leaf that
-    requires grad, nor a view of one (its ``_base``): those live on the device anyway, so
-    copying them would cost the link and free nothing. Everything else (integer and bool
-    tensors, tensors already on another device, subclasses, sparse, conj/neg views) stays
-    where it is. Two saved tensors of one storage are one offload of the whole storage.
+    Offloaded: a plain strided tensor of any dtype (integer indices and bool masks are
+    activations the plan counts too) on ``device`` with ``numel > 0``, whose storage holds
+    at least ``min_bytes``, that is not a parameter or a leaf that requires grad, nor a
+    view of one (its ``_base``): those live on the device anyway, so copying them would
+    cost the link and free nothing. Everything else (tensors already on another device,
+    subclasses, sparse, conj/neg views) stays where it is. Two saved tensors of one storage
+    are one offload of the whole storage.
     """
     if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
         return False
-    if not tensor.is_floating_point() or tensor.numel() == 0:
+    if tensor.numel() == 0:
         return False
     if tensor.is_conj() or tensor.is_neg() or not _on(tensor, device):
         return False

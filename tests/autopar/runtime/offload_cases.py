@@ -16,6 +16,7 @@ import autopar
 from autopar.runtime.shards import local_of
 from autopar_examples.models import build
 from autopar_plans.ledger import tally_entries
+from tests.autopar.runtime.activations import saved_bytes
 from tests.autopar.runtime.features import cross_entropy
 
 STEPS = 3
@@ -78,14 +79,15 @@ def offload_runs(
     final parameters with and without the offload, the last step's collectives and host
     copies next to the plan's, and the state bytes held next to the plan's memory."""
     results = []
-    plain: dict[tuple[Any, ...], dict[str, Any]] = {}  # the runs without offload, by setup
+    # the runs without offload by setup: their record, and the model trained
+    plain: dict[tuple[Any, ...], tuple[dict[str, Any], Any]] = {}
     for case in cases:
         runs = {}
         trained = {}
         key = tuple(case.get(k) for k in ("force", "stages", "microbatches", "zero", "precision"))
         for offload in (None, case["offload"]):
             if offload is None and key in plain and not case.get("checkpoint"):
-                runs[None] = plain[key]  # the same run as an earlier case's
+                runs[None], trained[None] = plain[key]  # the same run as an earlier case's
                 continue
             compiled, batch = _compile(case, mesh_shape, offload)
             optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
@@ -126,10 +128,19 @@ def offload_runs(
                 "held": _held(compiled, optimizer),
                 "memory": memory.model_dump(),
             }
-        plain.setdefault(key, runs[None])
+        plain.setdefault(key, (runs[None], trained[None]))
         result = {"case": case, "plain": runs[None], "offloaded": runs[case["offload"]]}
         if case.get("checkpoint"):
             result["resumed"] = _resumed(case, mesh_shape, trained)
+        if "activations" in case["offload"] and case.get("stages", 1) == 1:
+            # what autograd keeps on the device side in one forward of a microbatch: the
+            # saved tensors the offload hands outward (``ActivationOffload``) to a probe
+            result["device_saved"] = {
+                offload: saved_bytes(
+                    compiled, (batch[: len(batch) // case.get("microbatches", 2)],)
+                )[0]
+                for offload, (compiled, _, batch) in trained.items()
+            }
         results.append(result)
     return results
 

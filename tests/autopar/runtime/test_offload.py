@@ -82,12 +82,12 @@ def _saved(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _unique_activation_bytes(model: nn.Module, saved: list[torch.Tensor]) -> int:
-    """Bytes of the distinct float storages in ``saved`` that hold no parameter."""
+    """Bytes of the distinct storages in ``saved`` that hold no parameter."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
     for tensor in saved:
         storage = tensor.untyped_storage()
-        if tensor.is_floating_point() and storage.data_ptr() not in params:
+        if storage.data_ptr() not in params:
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
@@ -163,7 +163,7 @@ def test_copies_detach_and_fill_a_given_buffer() -> None:
 # --- which saved tensors move -----------------------------------------------------------------
 
 
-def test_offloads_activations_but_not_parameters_leaves_or_integers() -> None:
+def test_offloads_activations_but_not_parameters_or_leaves() -> None:
     weight = nn.Parameter(torch.randn(4, 4))
     leaf = torch.randn(4, requires_grad=True)
     activation = weight @ torch.randn(4, 4)
@@ -174,8 +174,8 @@ def test_offloads_activations_but_not_parameters_leaves_or_integers() -> None:
     assert not offloads(weight.t(), CPU)  # what addmm saves of a Linear's weight
     assert not offloads(leaf, CPU)
     assert not offloads(leaf[:2], CPU)
-    assert not offloads(torch.arange(4), CPU)
-    assert not offloads(torch.zeros(4, dtype=torch.bool), CPU)
+    assert offloads(torch.arange(4), CPU)  # indices and masks are activations too
+    assert offloads(torch.zeros(4, dtype=torch.bool), CPU)
     assert not offloads(torch.empty(0), CPU)
     assert not offloads(torch.randn(4), torch.device("meta"))  # not on the device
     assert not offloads(torch.randn(4), CPU, min_bytes=17)
