@@ -270,6 +270,21 @@ def op_table(
     return rows
 
 
+def start_one_process(cpu: bool) -> torch.device:
+    """The device of a one-process benchmark (the first GPU, or the CPU) with its process
+    group of one (NCCL, or gloo), as ``autopar.compile`` on a mesh of 1 needs."""
+    device = torch.device("cpu") if cpu else torch.device("cuda", 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group(
+        "gloo" if cpu else "nccl",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+    )
+    return device
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("."))
@@ -279,16 +294,9 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--small", action="store_true", help="a tiny GPT (checks the script)")
     args = parser.parse_args()
-    device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
+    device = start_one_process(args.cpu)
     if device.type == "cuda":
-        torch.cuda.set_device(0)
         torch.backends.cuda.matmul.allow_tf32 = True
-    dist.init_process_group(
-        "gloo" if args.cpu else "nccl",
-        init_method=f"tcp://127.0.0.1:{free_port()}",
-        rank=0,
-        world_size=1,
-    )
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if not args.cpu else "cpu"}
 
     from autopar_cost_model.calibrate import calibrate

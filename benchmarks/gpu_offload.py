@@ -33,12 +33,11 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.testing.ranks import free_port
 from autopar_cost_model.calibrate import QUICK, measure_host_copies, measure_host_step
 from autopar_cost_model.hardware import load_preset
 from autopar_examples.models import build
 from autopar_plans.writes import write_atomic
-from benchmarks.gpu import step_times
+from benchmarks.gpu import start_one_process, step_times
 
 
 def compiled_step(
@@ -83,15 +82,7 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--small", action="store_true", help="a tiny GPT (checks the script)")
     args = parser.parse_args()
-    device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
-    if device.type == "cuda":
-        torch.cuda.set_device(0)
-    dist.init_process_group(
-        "gloo" if args.cpu else "nccl",
-        init_method=f"tcp://127.0.0.1:{free_port()}",
-        rank=0,
-        world_size=1,
-    )
+    device = start_one_process(args.cpu)
     preset = "cpu" if args.cpu else args.preset
     report: dict[str, Any] = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0)}
     if device.type == "cuda":

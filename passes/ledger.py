@@ -482,7 +482,7 @@ def _wire_dtype(plan: Plan, dtype: str) -> str:
     return WIRE_DTYPE.get(plan.precision, dtype) if dtype == "float32" else dtype
 
 
-def _grad_dtype(plan: Plan, dtype: str) -> str:
+def grad_dtype(plan: Plan, dtype: str) -> str:
     """The dtype a gradient held in ``dtype`` is summed in: the plan's policy's
     (``GradReduction.wire_dtype``: mixed precision's compute dtype, or a casting
     compression's)."""
@@ -547,7 +547,7 @@ def gradient_sync_entries(
         phase = "backward" if in_backward else "step"
         overlap = "backward" if in_backward else "none"
         if plain:
-            dtype = _grad_dtype(plan, stored)
+            dtype = grad_dtype(plan, stored)
             copied = bucket_copy_bytes(plain, itemsize(stored), itemsize(dtype))
             _steps_entries(ledger, plain, dtype, sizes, phase, what, overlap, copied)
         if encoded:
@@ -703,7 +703,7 @@ def zero_entries(
         numel = sum(members[i][2] for i in bucket)
         kind = f"ZeRO-{2 if stage2 else 1}" if axes else "offloaded optimizer"
         what = f"{kind}: bucket {number}, {len(bucket)} params"
-        wire = _grad_dtype(plan, working)
+        wire = grad_dtype(plan, working)
         size = float(numel * itemsize(wire))
         pieces = math.prod(mesh_shape[a] for a in axes)
         master = itemsize(stored_dtype(plan, plan.params[names[bucket[0]]]))

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from autopar_cost_model.hardware import DevicePreset
 from autopar_cost_model.host import host_copy_time
 from autopar_cost_model.memory import microbatches_in_flight
-from autopar_passes.ledger import _grad_dtype, itemsize, working_dtype
+from autopar_passes.ledger import grad_dtype, itemsize, working_dtype
 from autopar_passes.mixed_precision import cast_for_gather
 from autopar_passes.pipeline.layer_costs import Part
 from autopar_passes.trace import TracedModel
@@ -45,7 +45,7 @@ def optimizer_copies(
             mesh.shape[a] for a, _ in zero_axes(param.param, param.optimizer, mesh.shape)
         )
         working = working_dtype(plan, param, name in cast)
-        grad_b = local / pieces * itemsize(_grad_dtype(plan, working))
+        grad_b = local / pieces * itemsize(grad_dtype(plan, working))
         master_b = local / pieces * itemsize(working)
         down, up = down + grad_b, up + master_b
         down_s += host_copy_time(grad_b, preset, "from_device")
