@@ -11,6 +11,8 @@ import tempfile
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.runtime.shards import local_of
@@ -169,7 +171,16 @@ def _resumed(
 def _one_more_step(
     compiled: Any, optimizer: torch.optim.Optimizer, batch: torch.Tensor
 ) -> dict[str, torch.Tensor]:
+    """One step as a user's script takes it: clipping with torch's own ``clip_grad_norm_``
+    (its threshold above the norm, which it returns) and reading the state through torch's
+    state-dict API (``get_state_dict``, as before ``dcp.save``); the parameters after it,
+    the norm and how many entries each state dict has."""
     optimizer.zero_grad()
     compiled.train_step(batch, batch)
+    norm = torch.nn.utils.clip_grad_norm_(compiled.parameters(), 1e9)
     optimizer.step()
-    return {n: compiled.full_parameter(n).detach().clone() for n in compiled.plan.params}
+    model_state, optimizer_state = get_state_dict(compiled, optimizer)
+    found = {n: compiled.full_parameter(n).detach().clone() for n in compiled.plan.params}
+    found["(gradient norm)"] = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    found["(state entries)"] = torch.tensor([len(model_state), len(optimizer_state["state"])])
+    return found

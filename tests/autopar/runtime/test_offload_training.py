@@ -11,7 +11,8 @@ checks, rank by rank:
   activations' within the saved-activation estimate's accuracy (``docs/activation_memory.md``);
 - offloaded state round-trips through the sharded checkpoint: saved from the offloaded
   run (model and optimizer) and loaded into a fresh model with or without the offload,
-  one more step gives the uninterrupted run's parameters;
+  one more step gives the uninterrupted run's parameters, and in it torch's
+  ``clip_grad_norm_`` and ``get_state_dict`` give what they give on the uninterrupted run;
 - the model state held on the device side of the code path (the weights the forward
   reads, the optimizer's states) and on the host side (masters, their gradients and
   states) are the plan's ``MemoryBreakdown`` figures, so the device's memory drops by what
