@@ -67,8 +67,9 @@ class PlanOptions(BaseModel):
         None,
         description="What may live in host memory instead of the device's: 'auto' (the "
         "default: the planner offloads where the memory limit calls for it), 'none', "
-        "kinds forced on (optimizer, activations: 'optimizer,activations'), or a mapping "
-        "kind -> on / off / auto (autopar_plans.offload; docs/offload.md).",
+        "kinds forced on (optimizer, activations, parameters: 'optimizer,activations'; "
+        "parameters needs the optimizer and forces it on too), or a mapping kind -> on / "
+        "off / auto (autopar_plans.offload; docs/offload.md).",
     )
     stages: int | None = Field(None, ge=1, description="Pipeline stages (default: searched).")
     schedule: Literal["gpipe", "1f1b", "interleaved"] | None = Field(

@@ -19,6 +19,16 @@ when backward unpacks it: ``S`` bytes per microbatch each way. The copy down run
 side stream while forward goes on (hidden behind the op's forward, what it does not hide
 exposed); the copy up is waited for (``runtime.offload``).
 
+**Parameter offload** (ZeRO-Infinity's ``offload_param``; with the optimizer's). The
+device holds no working copy between uses: each comes up from the host every microbatch,
+``W`` bytes (its local piece in the working copy's width), once in forward and again in
+backward, each prefetched one layer group ahead on a side stream. Priced per parameter as
+activations are: the copy beyond what the reading ops' forward (resp. backward) hides is
+exposed (``parameter_offload_time``). The device keeps the working gradient, and about
+two layer groups' working copies at a time (the one in use, the one prefetched:
+``autopar_passes.problem.parameter_transient``); the host keeps a working copy of its own
+only where its dtype is not the master's (the runtime casts from the master otherwise).
+
 >>> from autopar_cost_model.hardware import load_preset
 >>> h100 = load_preset("h100-sxm")
 >>> cost = optimizer_offload(1e9, grad=2, working=2, master=4, optimizer="adamw", preset=h100)
@@ -74,3 +84,15 @@ def activation_offload_time(nbytes: float, forward_s: float, preset: DevicePrese
         return 0.0
     down = host_copy_time(nbytes, preset, "from_device")
     return max(down - forward_s, 0.0) + host_copy_time(nbytes, preset, "to_device")
+
+
+def parameter_offload_time(
+    nbytes: float, forward_s: float, backward_s: float, preset: DevicePreset
+) -> float:
+    """Exposed seconds per microbatch of fetching a parameter's ``nbytes`` working copy
+    from the host, once for forward and once for backward, each hidden behind the reading
+    ops' pass (``forward_s``, ``backward_s``) and exposed beyond it (module docstring)."""
+    if nbytes <= 0:
+        return 0.0
+    up = host_copy_time(nbytes, preset, "to_device")
+    return max(up - forward_s, 0.0) + max(up - backward_s, 0.0)

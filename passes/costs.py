@@ -18,6 +18,9 @@ training step per device, or bytes per device.
   device steps (``autopar_cost_model.optimizer``); gradient synchronisation: the gradient of
   a parameter replicated over mesh axes is partial over them and is all-reduced there
   (reduce-scattered under ZeRO-1/2, plus an all-gather of the updated shard after the step).
+  Under offload (``autopar_plans.offload``) the host's share: an offloaded optimizer's
+  states and step; offloaded parameters' working copies off the device (``ParamCost.working``
+  is what each fetch moves, ``autopar_passes.problem`` prices the fetches).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 
 from autopar_cost_model.collectives import MeshCost
 from autopar_cost_model.compute import op_time
+from autopar_cost_model.host import host_copy_time
 from autopar_cost_model.memory import param_state_bytes, precision_policy
 from autopar_cost_model.offload import optimizer_offload
 from autopar_cost_model.optimizer import optimizer_step_time
@@ -92,6 +96,9 @@ class ParamCost:
     optimizer_s: float = 0.0  # the optimizer's step of the piece this device steps
     host: float = 0.0  # bytes in host memory: an offloaded master, its gradient and states
     host_s: float = 0.0  # an offloaded optimizer's copies over the host link, exposed
+    # the local working copy's bytes (what the graph reads): what an offloaded parameter
+    # fetches from the host every microbatch, in forward and again in backward
+    working: float = 0.0
     # the bucketed calls it joins, whose fixed cost is paid once whoever joins (``SyncCall``)
     calls: tuple[SyncCall, ...] = ()
 
@@ -653,8 +660,18 @@ class CostModel:
             host = optimizer_b + info.numel * master / shard / zero_shard
             optimizer_b = 0.0
             host_s, optimizer_s = offloaded.copy_s, offloaded.host_s
+            if self.offload.parameters:  # the stepped master stays up there: fetched
+                host_s -= host_copy_time(offloaded.to_device, preset, "to_device")
+        params_b = params / shard
+        held = params_b
+        if self.offload.parameters:
+            # no working copy stays on the device (``autopar_cost_model.offload``); the
+            # host keeps one beside the master only where the dtypes differ (a matmul's
+            # weight cast to the compute dtype), else the runtime copies up the master
+            host += params_b if working != master else 0.0
+            params_b = 0.0
         return ParamCost(
-            params=params / shard,
+            params=params_b,
             grads=grads / shard / (zero_shard if zero >= 2 else 1),
             optimizer=optimizer_b,
             sync_s=sync,
@@ -662,6 +679,7 @@ class CostModel:
             optimizer_s=optimizer_s,
             host=host,
             host_s=host_s,
+            working=held,
             calls=self._sync_calls(
                 info, node, replicated, zero_axes, working, even, tuple(local_shape)
             ),

@@ -4,7 +4,9 @@ For every decision choice: the compute time of its members and followers (forwar
 backward), their activation memory, the parameters' memory and gradient synchronisation
 (overlappable with one microbatch's backward pass, ``CostModel.sync_passes`` times a
 step), the optimizer's step of the piece each device steps, and what runs after it
-(ZeRO's gathers of the masters). For every
+(ZeRO's gathers of the masters); under offload its host bytes and host-link seconds
+(offloaded parameters: their fetches every microbatch, and their working copies in
+flight as one constant of the memory row, ``parameter_transient``). For every
 edge between two decisions: the resharding time matrix, forward plus the adjoint
 backward. Edges out of a parameter (the all-gather of an FSDP-sharded weight, and its
 reduce-scatter in backward) are inline like any other, their bytes priced at the speed of
@@ -24,7 +26,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from autopar_cost_model.offload import activation_offload_time
+from autopar_cost_model.offload import activation_offload_time, parameter_offload_time
 from autopar_passes.annotation import TensorInfo
 from autopar_passes.costs import CallKey, CostModel
 from autopar_passes.decisions import Decisions
@@ -81,6 +83,11 @@ class ProblemParts:
     host_activations: dict[str, list[float]] = field(default_factory=dict)
     offload_step: dict[str, list[float]] = field(default_factory=dict)
     offload_microbatch: dict[str, list[float]] = field(default_factory=dict)
+    # offloaded parameters: (group, decision) -> the local working copies' bytes of one
+    # copy of the group (``fsdp_group_shares``' groups: a layer, before, after) per choice,
+    # and the fixed transient term the memory row holds for them (``parameter_transient``)
+    working: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    transient: float = 0.0
     # each edge with its forward and backward matrices (over class pairs)
     edge_terms: list[tuple[EdgeTerm, Matrix, Matrix]] = field(default_factory=list)
     self_edge: dict[str, list[float]] = field(default_factory=dict)
@@ -177,6 +184,7 @@ def build_problem(
         parts.copies = dict(edges_of.copies)
     problem = parts.problem
     offloads_activations = cost.offload.activations
+    parts.transient = parameter_transient(parts.working, parts.problem.allowed)
     problem.sync_passes = cost.sync_passes(microbatches)
     problem.overlap = overlap = cost.mesh_cost.preset.comm_overlap
     for name in choices:
@@ -221,6 +229,11 @@ def build_problem(
         else term
         for e, (term, _, _) in enumerate(parts.edge_terms)
     ]
+    if parts.transient and problem.memory:
+        # a constant in the memory row: the same bytes on every choice of one decision
+        # (exactly one is taken); the ILP has no constant term of its own
+        first = next(iter(problem.memory))
+        problem.memory[first] = [m + parts.transient for m in problem.memory[first]]
     if offloads_activations:
         problem.edges = [replace(term, memory={}) for term in problem.edges]
     problem.prefetch = _prefetch_links(parts, microbatches)
@@ -244,6 +257,8 @@ def _node_costs(
 ) -> None:
     """Compute, memory and gradient sync of every node, per choice of its decision."""
     repeats = Counter(representatives.get(n, n) for n in decisions.bindings)
+    # what hides each offloaded parameter's fetches: its readers' compute at its least
+    hiding = least_reader_compute(decisions, cost) if cost.offload.parameters else {}
     layers_seen = False
     for node_name, binding in decisions.bindings.items():
         found = decisions.choices[node_name].note
@@ -281,6 +296,8 @@ def _node_costs(
                 parts.optimizer_step[name][k] += times * pc.optimizer_s
                 parts.host_states[name][k] += times * pc.host
                 parts.offload_step[name][k] += times * pc.host_s
+                if cost.offload.parameters:
+                    _offloaded_param(parts, cost, node_name, name, k, pc.working, hiding, times)
                 continue
             fwd, bwd = cost.op_time(note, strategy)
             parts.compute_fwd[name][k] += times * fwd
@@ -444,6 +461,104 @@ def _edge_costs(
                 bwd_m,
             )
         )
+
+
+def _offloaded_param(
+    parts: ProblemParts,
+    cost: CostModel,
+    node: str,
+    name: str,
+    k: int,
+    working: float,
+    hiding: dict[str, tuple[float, float]],
+    times: int,
+) -> None:
+    """An offloaded parameter's fetches per microbatch (exposed beyond its readers'
+    compute, ``parameter_offload_time``) and its working copy's bytes for the transient
+    term, one copy of its group (``times``: the identical layers it stands for)."""
+    forward, backward = hiding.get(node, (0.0, 0.0))
+    preset = cost.mesh_cost.preset
+    fetched = parameter_offload_time(working, forward, backward, preset)
+    parts.offload_microbatch[name][k] += times * fetched
+    share = cost.gather_share.get(node)
+    group = share.group if share is not None else node
+    row = parts.working.setdefault((group, name), [0.0] * len(parts.offload_microbatch[name]))
+    row[k] += working
+
+
+def parameter_transient(
+    working: dict[tuple[str, str], list[float]],
+    allowed: dict[str, set[int]],
+    choice: dict[str, int] | None = None,
+) -> float:
+    """Device bytes of offloaded parameters' working copies in flight: the group in use and
+    the one prefetched, taken as twice the largest group's (a layer's, or those before or
+    after the layers). Under ``choice``, the chosen layouts' local pieces; without, each
+    decision at its largest allowed choice (the replicated piece where any is allowed): a
+    bound the memory row can hold as a constant, which no choice exceeds."""
+    groups: dict[str, float] = {}
+    for (group, name), row in working.items():
+        if choice is not None:
+            held = row[choice[name]]
+        else:
+            held = max((row[k] for k in allowed.get(name, range(len(row)))), default=0.0)
+        groups[group] = groups.get(group, 0.0) + held
+    return 2.0 * max(groups.values(), default=0.0)
+
+
+def param_readers(decisions: Decisions) -> dict[str, list[str]]:
+    """Parameter placeholder -> the ops that read it, through views (a weight's transpose):
+    the compute its working copy is on the device for."""
+    users: dict[str, list[str]] = {}
+    for name, choices in decisions.choices.items():
+        for source in choices.inputs:
+            users.setdefault(source.producer, []).append(name)
+    readers: dict[str, list[str]] = {}
+    for name, choices in decisions.choices.items():
+        if choices.kind != "param":
+            continue
+        found: list[str] = []
+        todo, seen = list(users.get(name, ())), set()
+        while todo:
+            node = todo.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            note = decisions.choices[node].note
+            if note is not None and note.kind == "view":
+                todo.extend(users.get(node, ()))
+            elif decisions.choices[node].kind not in ("output", "getitem"):
+                found.append(node)
+        readers[name] = found
+    return readers
+
+
+def least_reader_compute(decisions: Decisions, cost: CostModel) -> dict[str, tuple[float, float]]:
+    """Parameter placeholder -> its readers' (forward, backward) seconds, each reader at its
+    fastest strategy: what hides its fetches at the least, so the ILP errs toward fetches
+    costing more than they do (as it prices FSDP's prefetched gathers)."""
+    least: dict[str, tuple[float, float]] = {}
+    cache: dict[str, tuple[float, float]] = {}
+    for param, readers in param_readers(decisions).items():
+        forward = backward = 0.0
+        for reader in readers:
+            if reader not in cache:
+                cache[reader] = _fastest(decisions, cost, reader)
+            forward += cache[reader][0]
+            backward += cache[reader][1]
+        least[param] = (forward, backward)
+    return least
+
+
+def _fastest(decisions: Decisions, cost: CostModel, node: str) -> tuple[float, float]:
+    """(forward, backward) seconds of ``node`` at its fastest strategy, each pass apart."""
+    note = decisions.choices[node].note
+    binding = decisions.bindings.get(node)
+    if note is None or binding is None:
+        return 0.0, 0.0
+    count = len(decisions.decisions[binding.decision].strategies)
+    times = [cost.op_time(note, decisions.strategy(node, k)) for k in range(count)]
+    return min(t[0] for t in times), min(t[1] for t in times)
 
 
 def _prefetch_links(parts: ProblemParts, microbatches: int) -> list[PrefetchLink]:

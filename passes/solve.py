@@ -37,7 +37,13 @@ from autopar_passes.mixed_precision import (
     autocast_saved,
     working_cast_nodes,
 )
-from autopar_passes.problem import ProblemParts, build_problem, reuses_edges, unmerged_size
+from autopar_passes.problem import (
+    ProblemParts,
+    build_problem,
+    parameter_transient,
+    reuses_edges,
+    unmerged_size,
+)
 from autopar_passes.recompute import (
     RecomputeHint,
     Region,
@@ -120,15 +126,21 @@ class Solved:
 
     def memory(self) -> float:
         """Bytes per device of the chosen strategies, recomputation included (offloaded
-        activations and states not: they are in ``host_memory``)."""
+        activations and states not: they are in ``host_memory``); offloaded parameters'
+        working copies in flight at the chosen layouts, where the memory row held a bound
+        (``parameter_transient``)."""
+        parts = self.parts
         total = sum(
-            self.parts.problem.memory[d][k]
-            for d, k in self.choice.items()
-            if d in self.parts.problem.memory
+            parts.problem.memory[d][k] for d, k in self.choice.items() if d in parts.problem.memory
         )
         if not self.cost.offload.activations:
-            total += self.parts.edge_memory(self.choice)
+            total += parts.edge_memory(self.choice)
+        total += self.transient() - parts.transient
         return total - self.recomputed_bytes()
+
+    def transient(self) -> float:
+        """Offloaded parameters' working copies in flight at the chosen layouts (0 without)."""
+        return parameter_transient(self.parts.working, self.parts.problem.allowed, self.choice)
 
     def host_memory(self) -> float:
         """Bytes per device in host memory: offloaded states, and one microbatch's saved
@@ -349,11 +361,7 @@ def _solve(
         if offload_levels(request.zero_levels, c)
     ]
     if not candidates:
-        raise UsageError(
-            "zero=2 sums each microbatch's gradients into the master's piece, and an "
-            "offloaded optimizer keeps the masters on the host: force zero 0 or 1, or do "
-            "not force offload='optimizer'"
-        )
+        raise _no_level_error(request)
     first = candidates[0]
     if request.memory_limit is None or not request.known_unfit:
         fastest = _fastest_unlimited(
@@ -427,8 +435,28 @@ def offload_candidates(request: SolveRequest, preset: DevicePreset) -> list[Offl
 def offload_levels(levels: tuple[int, ...], offload: Offload) -> tuple[int, ...]:
     """The ZeRO stages an offload policy plans with: an offloaded optimizer sums each
     gradient into its host master once a step, so ZeRO-2 (a sum per microbatch into the
-    master's piece) is not one of them."""
+    master's piece) is not one of them; offloaded parameters plan with ZeRO-0 alone (a
+    ZeRO axis would gather the stepped masters on the host; the layouts still shard)."""
+    if offload.parameters:
+        return tuple(z for z in levels if z == 0)
     return tuple(z for z in levels if z < 2) if offload.optimizer else levels
+
+
+def _no_level_error(request: SolveRequest) -> UsageError:
+    """No allowed offload policy plans with a ZeRO stage allowed: say which pair to drop."""
+    if request.offload.parameters == "on":
+        forced = ", ".join(str(z) for z in request.zero_levels)
+        return UsageError(
+            f"offloaded parameters plan with ZeRO stage 0 only (a ZeRO axis would gather "
+            f"the masters on the host; FSDP layouts still shard them), and zero={forced} "
+            "was forced: force zero 0 or leave it to the planner, or do not force "
+            "offload='parameters'"
+        )
+    return UsageError(
+        "zero=2 sums each microbatch's gradients into the master's piece, and an "
+        "offloaded optimizer keeps the masters on the host: force zero 0 or 1, or do "
+        "not force offload='optimizer'"
+    )
 
 
 def _host_limit(mesh_cost: MeshCost) -> float:
@@ -498,8 +526,9 @@ def _fastest_unlimited(
 def states_floor(parts: ProblemParts) -> float:
     """The least memory per device for parameters, gradients and optimizer state that any
     allowed choice needs: every plan needs at least this much (its activations, less
-    what recomputation frees, are never negative)."""
-    total = 0.0
+    what recomputation frees, are never negative), with offloaded parameters' transient
+    term, a constant of the memory row."""
+    total = parts.transient
     for name, row in parts.model_states.items():
         states = [sum(row[k]) for k in parts.problem.allowed.get(name, range(len(row)))]
         total += min(states, default=0.0)  # none allowed: the MIP reports that
@@ -638,6 +667,7 @@ def infeasible_error(
         terms["gradients"] += grads
         terms["optimizer states"] += optimizer
         terms["activations"] += parts.activations[name][k] - freed.get(name, [0.0] * (k + 1))[k]
+    terms["parameters"] += parts.transient  # offloaded parameters' copies in flight
     need = sum(terms.values())
     dominant = max(terms, key=lambda t: terms[t])
     limit = request.memory_limit or 0.0

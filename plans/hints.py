@@ -190,7 +190,8 @@ class Hints(_Strict):
     offload: str | dict[str, Any] | None = Field(
         None,
         description="What may live in host memory: auto, none, kinds (optimizer, "
-        "activations), or kind -> on / off / auto (autopar_plans.offload).",
+        "activations, parameters; parameters forces the optimizer on too), or kind -> on / "
+        "off / auto (autopar_plans.offload).",
     )
     _source: str = PrivateAttr(default="<hints>")
     _lines: dict[KeyPath, int] = PrivateAttr(default_factory=dict)

@@ -16,8 +16,15 @@ and move it over the device's host link (PCIe, NVLink-C2C) when it is needed:
   saved and back when backward unpacks it; the device holds none of a microbatch's saved
   activations between its forward and backward.
 
-Parameter offload (ZeRO-Infinity's, each layer's weights fetched one layer ahead) is not
-built yet.
+- **parameters** (ZeRO-Infinity, Rajbhandari et al. 2021, arXiv 2104.07857: its
+  ``offload_param``): the working copy of every parameter lives on the host too; every
+  microbatch each layer's working copies come up as the layer runs, prefetched one layer
+  ahead, in forward and again in backward, and are dropped after use. The device holds no
+  parameter between uses, only its gradient and the copies of about two layers at a time.
+  It needs the optimizer offloaded (as DeepSpeed's ``offload_param`` needs ZeRO-3 with a
+  CPU optimizer, and FSDP2's ``CPUOffloadPolicy`` moves both) and plans with ZeRO stage 0:
+  a ZeRO axis would have to gather the masters on the host. The layouts the planner
+  chooses (FSDP, tensor parallelism) shard the copies as they shard the parameters.
 
 ``Offload`` is what a plan does (``Plan.offload``); ``OffloadRequest`` what the user allows
 or forces for each kind (``auto``: the planner decides under the memory limit).
@@ -28,12 +35,18 @@ from __future__ import annotations
 from itertools import product
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Choice = Literal["auto", "on", "off"]
-Purpose = Literal["optimizer", "activations"]
+Purpose = Literal["optimizer", "activations", "parameters"]
 Direction = Literal["to_host", "to_device"]
-KINDS: tuple[str, ...] = ("optimizer", "activations")
+# (a new kind goes last: requests and plans spell the kinds by name, messages list them)
+KINDS: tuple[str, ...] = ("optimizer", "activations", "parameters")
+WORDS = {"optimizer": "optimizer states", "activations": "activations", "parameters": "parameters"}
+NEEDS_OPTIMIZER = (
+    "parameter offload needs the optimizer offloaded too (the master each working copy is "
+    "cast from lives on the host): set optimizer to on or auto, or parameters to off"
+)
 
 
 class Offload(BaseModel):
@@ -43,16 +56,29 @@ class Offload(BaseModel):
 
     optimizer: bool = False
     activations: bool = False
+    parameters: bool = False
+
+    @model_validator(mode="after")
+    def _parameters_need_optimizer(self) -> Offload:
+        if self.parameters and not self.optimizer:
+            raise ValueError(NEEDS_OPTIMIZER)
+        return self
 
     @property
     def active(self) -> bool:
-        return self.optimizer or self.activations
+        return any(getattr(self, k) for k in KINDS)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(k for k in KINDS if getattr(self, k))
 
     def describe(self) -> str:
-        """In words: 'optimizer states and activations', or 'nothing'."""
-        kinds = [k for k in KINDS if getattr(self, k)]
-        words = {"optimizer": "optimizer states", "activations": "activations"}
-        return " and ".join(words[k] for k in kinds) or "nothing"
+        """In words: 'optimizer states and activations', 'optimizer states, activations
+        and parameters', or 'nothing'."""
+        words = [WORDS[k] for k in self.kinds]
+        if len(words) <= 1:
+            return "".join(words) or "nothing"
+        return f"{', '.join(words[:-1])} and {words[-1]}"
 
 
 NO_OFFLOAD = Offload()
@@ -72,7 +98,8 @@ class HostCopy(BaseModel):
         None,
         ge=0,
         description="Copies per step, where the plan knows them (one per parameter piece "
-        "for the optimizer; activations: one per saved tensor, not counted ahead).",
+        "for the optimizer; parameters: one per working copy and fetch; activations: one "
+        "per saved tensor, not counted ahead).",
     )
     seconds: float = Field(0.0, ge=0, description="Time on the host link, hidden or not.")
     exposed_s: float = Field(0.0, ge=0, description="The part of it the step waits for.")
@@ -85,18 +112,31 @@ class OffloadRequest(BaseModel):
 
     optimizer: Choice = "auto"
     activations: Choice = "auto"
+    parameters: Choice = "auto"
+
+    @model_validator(mode="after")
+    def _parameters_need_optimizer(self) -> OffloadRequest:
+        if self.parameters == "on" and self.optimizer == "off":
+            raise ValueError(NEEDS_OPTIMIZER)
+        return self
 
     def candidates(self) -> list[Offload]:
-        """The policies allowed, the cheapest first: none before one kind before both,
-        optimizer (its copies once a step) before activations (theirs every microbatch)."""
+        """The policies allowed, the cheapest first (ties go to the first: less offload).
+
+        Without parameters before with: parameter offload moves every working copy over
+        the host link twice a microbatch to free only the working copies, the most traffic
+        for the least memory, so it comes after every policy without it (ZeRO-Infinity's
+        last resort too). Within each, fewer kinds first, and the optimizer (its copies
+        once a step) before activations (theirs every microbatch): none; optimizer;
+        activations; both; optimizer and parameters; all three. Parameters never come
+        without the optimizer, which holds their masters."""
         options = [
             (False, True) if getattr(self, k) == "auto" else (getattr(self, k) == "on",)
             for k in KINDS
         ]
-        found = [Offload(**dict(zip(KINDS, flags, strict=True))) for flags in product(*options)]
-        return sorted(
-            found, key=lambda o: (sum(map(int, (o.optimizer, o.activations))), o.activations)
-        )
+        spelled = [dict(zip(KINDS, flags, strict=True)) for flags in product(*options)]
+        found = [Offload(**s) for s in spelled if s["optimizer"] or not s["parameters"]]
+        return sorted(found, key=lambda o: (o.parameters, len(o.kinds), o.activations))
 
     @property
     def forced(self) -> bool:
@@ -109,8 +149,13 @@ AUTO_OFFLOAD = OffloadRequest()
 def offload_request(value: object) -> OffloadRequest:
     """The request an option or hint spells: ``auto``; ``none`` / ``off``; a kind or a
     comma-separated list of kinds (forced on, the others off); or a mapping of kind to
-    ``on`` / ``off`` / ``auto`` (booleans read as on / off). ``ValueError`` says what is
-    wrong."""
+    ``on`` / ``off`` / ``auto`` (booleans read as on / off). ``parameters`` on forces the
+    optimizer on too (it needs it), unless the optimizer is spelled ``off``: then
+    ``ValueError`` says so, as it says what else is wrong.
+
+    >>> offload_request("parameters").optimizer
+    'on'
+    """
     if value is None or value == "auto":
         return AUTO_OFFLOAD
     if isinstance(value, OffloadRequest):
@@ -119,7 +164,7 @@ def offload_request(value: object) -> OffloadRequest:
         return OffloadRequest(**{k: "on" if getattr(value, k) else "off" for k in KINDS})
     if isinstance(value, str):
         if value in ("none", "off"):
-            return OffloadRequest(optimizer="off", activations="off")
+            return OffloadRequest(**dict.fromkeys(KINDS, "off"))
         kinds = [k.strip() for k in value.split(",") if k.strip()]
         unknown = [k for k in kinds if k not in KINDS]
         if unknown or not kinds:
@@ -127,6 +172,8 @@ def offload_request(value: object) -> OffloadRequest:
                 f"offload {value!r}: expected auto, none, or kinds out of {', '.join(KINDS)} "
                 "(comma-separated)"
             )
+        if "parameters" in kinds:
+            kinds.append("optimizer")  # the masters the working copies come from
         return OffloadRequest(**{k: "on" if k in kinds else "off" for k in KINDS})
     if isinstance(value, dict):
         unknown = [k for k in value if k not in KINDS]
@@ -138,5 +185,15 @@ def offload_request(value: object) -> OffloadRequest:
             if choice not in ("auto", "on", "off"):
                 raise ValueError(f"offload.{kind}: {given!r}; one of auto, on, off")
             spelled[kind] = choice
-        return OffloadRequest(**spelled)
+        return OffloadRequest(**_with_optimizer(spelled))
     raise ValueError(f"offload: expected a string or a mapping, got {type(value).__name__}")
+
+
+def _with_optimizer(spelled: dict[str, str]) -> dict[str, str]:
+    """A mapping's choices with the optimizer forced on where parameters are (they need
+    it); ``ValueError`` where it is spelled off."""
+    if spelled.get("parameters") != "on":
+        return spelled
+    if spelled.get("optimizer") == "off":
+        raise ValueError(f"offload: {NEEDS_OPTIMIZER}")
+    return {**spelled, "optimizer": "on"}

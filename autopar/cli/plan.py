@@ -89,8 +89,8 @@ def add_parser(subparsers: Any) -> None:
         "--offload",
         metavar="WHAT",
         help="what may live in host memory: auto (default: where the memory limit calls for "
-        "it), none, or kinds forced on: optimizer, activations, optimizer,activations "
-        "(docs/offload.md)",
+        "it), none, or kinds forced on: optimizer, activations, parameters (with the "
+        "optimizer: it needs it), optimizer,activations (docs/offload.md)",
     )
     parser.add_argument("--time-limit", type=float, default=60.0, help="solver seconds")
     parser.add_argument(

@@ -144,20 +144,34 @@ def summary_of(plan: Plan) -> Table:
 
 
 def offload_summary(plan: Plan) -> str:
-    """What the plan keeps in host memory, how much, and what moving it costs a step."""
+    """What the plan keeps in host memory, how much, and what moving it costs a step: the
+    bytes each way, and where several kinds copy, each kind's share of them (read off
+    ``Estimate.host`` by purpose)."""
     e = plan.estimate
     moved: dict[str, float] = {}
+    by_purpose: dict[str, float] = {}
     for copy in e.host:
         moved[copy.direction] = moved.get(copy.direction, 0.0) + copy.bytes
+        by_purpose[copy.purpose] = by_purpose.get(copy.purpose, 0.0) + copy.bytes
     copies = sum(c.exposed_s for c in e.host if c.purpose == "optimizer")
+    shares = (
+        " (" + ", ".join(f"{k} {format_bytes(b)}" for k, b in by_purpose.items()) + ")"
+        if len(by_purpose) > 1
+        else ""
+    )
     return (
         f"{plan.offload.describe()} in host memory: {format_bytes(e.memory_per_device_bytes.host)}"
         f" per device; {format_bytes(moved.get('to_host', 0.0))} down and "
-        f"{format_bytes(moved.get('to_device', 0.0))} up per step, "
+        f"{format_bytes(moved.get('to_device', 0.0))} up per step{shares}, "
         f"{format_seconds(e.offload_s)} of the step waits for the host link"
         + (
             f"; the optimizer steps on the CPU in {format_seconds(e.optimizer_s - copies)}"
             if plan.offload.optimizer
+            else ""
+        )
+        + (
+            "; every working copy comes up from the host twice a microbatch"
+            if plan.offload.parameters
             else ""
         )
     )

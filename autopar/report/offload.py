@@ -13,7 +13,12 @@ busiest device:
   under mixed precision the plan would cast matmul weights, so the bytes are an upper
   bound) and steps on the CPU instead of the device;
 - activations: frees the saved activations; each microbatch copies them down and back
-  (the copy down taken as not hidden: an upper bound).
+  (the copy down taken as not hidden: an upper bound);
+- parameters (with the optimizer's, which it needs): frees the working copies (the
+  device's ``params``; it still holds about two layers' in flight) and keeps one on the
+  host only where its dtype is not the master's (under mixed precision every weight
+  taken as cast: an upper bound); each microbatch copies every working copy up twice, for
+  forward and again for backward (taken as not hidden: an upper bound).
 
 The verdict weighs the freed bytes against the memory limit: the planner offloads only
 where the plan would not fit otherwise, or where it is faster (an offloaded optimizer lets
@@ -29,6 +34,7 @@ from autopar_cost_model.hardware import load_preset
 from autopar_cost_model.host import host_copy_time, host_step_time
 from autopar_cost_model.memory import optimizer_state_values, precision_policy
 from autopar_cost_model.optimizer import optimizer_step_time
+from autopar_passes.ledger import itemsize, working_dtype
 from autopar_passes.offload_ledger import optimizer_copies
 from autopar_plans.plan import Plan
 from autopar_plans.units import format_bytes, format_seconds
@@ -59,7 +65,8 @@ class OffloadReport:
 def explain_offload(plan: Plan) -> OffloadReport:
     """Each kind of offload on ``plan`` and a verdict (module docstring)."""
     memory = plan.estimate.memory_per_device_bytes
-    rows = [_optimizer_row(plan), _activations_row(plan)]
+    parameters = _parameters_row(plan)
+    rows = [_optimizer_row(plan, parameters.host_bytes), _activations_row(plan), parameters]
     return OffloadReport(rows, memory.total, plan.memory_limit_bytes, _verdict(plan, rows))
 
 
@@ -72,11 +79,10 @@ def _busiest_params(plan: Plan) -> list[str]:
     return max(by_stage.values(), key=len)
 
 
-def _optimizer_row(plan: Plan) -> KindCost:
-    preset = load_preset(plan.mesh.device)
-    e = plan.estimate
+def _optimizer_host(plan: Plan, names: list[str]) -> tuple[float, float]:
+    """(values the device steps, host bytes an offloaded optimizer holds for them: the
+    master, its gradient and the states)."""
     mesh = plan.stage_mesh or plan.mesh
-    names = _busiest_params(plan)
     policy = precision_policy(plan.precision)
     stepped = 0.0
     host = 0.0
@@ -86,11 +92,21 @@ def _optimizer_row(plan: Plan) -> KindCost:
         states = optimizer_state_values(param.shape, plan.optimizer) / math.prod(param.shape)
         stepped += numel
         host += numel * policy.master * (2 + states)  # master, its gradient, the states
+    return stepped, host
+
+
+def _optimizer_row(plan: Plan, parameters_host: float) -> KindCost:
+    """``parameters_host``: what offloaded parameters hold on the host besides."""
+    preset = load_preset(plan.mesh.device)
+    e = plan.estimate
+    names = _busiest_params(plan)
+    policy = precision_policy(plan.precision)
+    stepped, host = _optimizer_host(plan, names)
     on_device = optimizer_step_time(stepped, plan.optimizer, policy.master, preset)
     if plan.offload.optimizer:
         # the plan's step on the CPU with its copies, against the device's step
         copies = [c for c in e.host if c.purpose == "optimizer"]
-        held = e.memory_per_device_bytes.host - _activation_host(plan)
+        held = e.memory_per_device_bytes.host - _activation_host(plan) - parameters_host
         seconds = max(e.optimizer_s - on_device, 0.0)
         return KindCost("optimizer", True, held, held, sum(c.bytes for c in copies), seconds)
     copies = optimizer_copies(plan, names, frozenset(), preset)
@@ -134,6 +150,45 @@ def _activations_row(plan: Plan) -> KindCost:
             + host_copy_time(per_microbatch, preset, "to_device")
         )
     return KindCost("activations", False, saved, saved, 2 * per_microbatch * microbatches, seconds)
+
+
+def _working_bytes(plan: Plan, names: list[str]) -> list[float]:
+    """Each parameter's local working copy in bytes, at the stored width (under mixed
+    precision a matmul's weight is cast to the compute dtype, which the plan alone does
+    not say: an upper bound)."""
+    mesh = plan.stage_mesh or plan.mesh
+    found = []
+    for name in names:
+        param = plan.params[name]
+        local = math.prod(param.param.local_shape(param.shape, mesh.shape))
+        found.append(local * itemsize(working_dtype(plan, param, cast=False)))
+    return found
+
+
+def _parameters_row(plan: Plan) -> KindCost:
+    """Offloaded parameters: the plan's own copies and host bytes where it offloads them,
+    else estimated; what it frees, the working copies, at the stored width either way."""
+    e = plan.estimate
+    microbatches = plan.parallelism.microbatches
+    names = _busiest_params(plan)
+    working = _working_bytes(plan, names)
+    policy = precision_policy(plan.precision)
+    # the host's own working copy, where it is cast from the master (every weight: a bound)
+    cast = policy.param / policy.master if policy.param != policy.master else 0.0
+    if plan.offload.parameters:
+        copies = [c for c in e.host if c.purpose == "parameters"]
+        frees = sum(working)
+        # what the host holds beyond the optimizer's and the activations' own
+        _, optimizer = _optimizer_host(plan, names)
+        held = max(e.memory_per_device_bytes.host - optimizer - _activation_host(plan), 0.0)
+        seconds = sum(c.exposed_s for c in copies)
+        return KindCost("parameters", True, frees, held, sum(c.bytes for c in copies), seconds)
+    preset = load_preset(plan.mesh.device)
+    seconds = 0.0
+    if preset.host is not None:
+        seconds = 2 * microbatches * sum(host_copy_time(w, preset, "to_device") for w in working)
+    frees = sum(working)
+    return KindCost("parameters", False, frees, cast * frees, 2 * microbatches * frees, seconds)
 
 
 def _verdict(plan: Plan, rows: list[KindCost]) -> str:

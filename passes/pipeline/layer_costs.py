@@ -18,11 +18,17 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from autopar_cost_model.offload import activation_offload_time
+from autopar_cost_model.offload import activation_offload_time, parameter_offload_time
 from autopar_passes.annotation import META_KEY, NodeAnnotation, TensorInfo, dtype_itemsize
 from autopar_passes.costs import CallKey, CostModel, SyncCall
 from autopar_passes.mixed_precision import autocast_dtypes
-from autopar_passes.problem import copy_bytes, first_keepers, is_regathered, sole_keepers
+from autopar_passes.problem import (
+    copy_bytes,
+    first_keepers,
+    is_regathered,
+    param_readers,
+    sole_keepers,
+)
 from autopar_passes.recompute import chosen_layers
 from autopar_passes.solve import Solved
 from autopar_passes.strategies.types import Strategy
@@ -63,6 +69,11 @@ class Part:
     host_of: dict[str, float] = field(default_factory=dict)  # name -> its host bytes
     host_activations: float = 0.0
     offload_s: float = 0.0
+    # offloaded parameters: their fetches' exposed seconds, one microbatch (in
+    # ``compute_s`` too, the same whatever the microbatch's size), and the local working
+    # copies' bytes, of which a stage holds its largest part's twice (``fetch_transient``)
+    fetch_s: float = 0.0
+    working: float = 0.0
     params: dict[str, float] = field(default_factory=dict)  # name -> state bytes
     optimizer_of: dict[str, float] = field(default_factory=dict)  # name -> its step's seconds
     sync_of: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> sync, step
@@ -107,9 +118,16 @@ class Part:
             for *reshard, output in self.edges:
                 f, b = cost.edge_time(*reshard, output=output, batch=scale)
                 comm += f + b
-            extra = (self.recompute_s + self.offload_s) * scale
+            extra = (self.recompute_s + self.offload_s) * scale + self.fetch_s
             self._at[scale] = (forward, backward + extra, comm)
         return self._at[scale]
+
+
+def fetch_transient(parts: Iterable[Part]) -> float:
+    """Device bytes of offloaded parameters' working copies in flight on a stage of
+    ``parts``: the part in use and the one prefetched, taken as twice the largest
+    (``autopar_passes.problem.parameter_transient``)."""
+    return 2.0 * max((part.working for part in parts), default=0.0)
 
 
 def first_calls(parts: Iterable[Part]) -> tuple[float, float]:
@@ -196,6 +214,8 @@ def layer_costs(
                 part.sync_calls.setdefault(call.key, call)
             part.step_s += param.step_s
             part.optimizer_s += stepped
+            if cost.offload.parameters:
+                part.working += param.working
     decisions = solved.decisions
     kept: set[tuple[str, int]] = set()  # activations whose resharded copy is counted
     sole = sole_keepers(decisions)
@@ -273,6 +293,8 @@ def layer_costs(
                 )
     for part in (pre, *parts, post):
         part.gather_s += sum(calls.get(id(part), {}).values())
+    if cost.offload.parameters:
+        _fetches(traced, solved, cost, part_of)
     for layer, (saving, forward) in recomputed_layers(solved).items():
         parts[layer].activations -= saving
         parts[layer].compute_s += forward
@@ -290,6 +312,38 @@ def layer_costs(
         traced, solved, part_of, pre, parts[0] if parts else post, autocast
     )
     return LayerCosts(pre, parts, post, tied)
+
+
+def _fetches(
+    traced: TracedModel, solved: Solved, cost: CostModel, part_of: dict[str, Part]
+) -> None:
+    """Each offloaded parameter's fetches from the host, exposed beyond its readers'
+    compute at their chosen strategies (``parameter_offload_time``), on the parts that
+    read it (a tied weight: each fetches its own)."""
+    readers = param_readers(solved.decisions)
+    preset = cost.mesh_cost.preset
+    for info in traced.params.values():
+        node = info.nodes[0]
+        tensor = _placeholder_info(traced, node)
+        working = cost.param_cost(tensor, solved.output_layout(node), node).working
+        by_part: dict[int, tuple[Part, float, float]] = {}
+        for reader in (r for n in info.nodes for r in readers.get(n, ())):
+            note = solved.decisions.choices[reader].note
+            if note is None:
+                continue
+            part = part_of[reader]
+            forward, backward = cost.op_time(note, solved.strategy(reader))
+            _, f, b = by_part.get(id(part), (part, 0.0, 0.0))
+            by_part[id(part)] = (part, f + forward, b + backward)
+        for part, forward, backward in by_part.values():
+            moved = parameter_offload_time(working, forward, backward, preset)
+            part.compute_s += moved
+            part.fetch_s += moved
+
+
+def _placeholder_info(traced: TracedModel, name: str) -> TensorInfo:
+    (node,) = traced.graph_module.graph.find_nodes(op="placeholder", target=name)
+    return node.meta[META_KEY].outputs[0]
 
 
 def recomputed_layers(solved: Solved) -> dict[int, tuple[float, float]]:

@@ -43,7 +43,13 @@ from autopar_passes.ilp import solve_ilp
 from autopar_passes.ledger import step_ledger, with_ledger
 from autopar_passes.mixed_precision import AutocastSaved, autocast_dtypes, autocast_saved
 from autopar_passes.offload_ledger import stage_host
-from autopar_passes.pipeline.layer_costs import LayerCosts, Part, first_calls, layer_costs
+from autopar_passes.pipeline.layer_costs import (
+    LayerCosts,
+    Part,
+    fetch_transient,
+    first_calls,
+    layer_costs,
+)
 from autopar_passes.pipeline.ledger import pipeline_ledger, with_pipeline_ledger
 from autopar_passes.pipeline.stage_cut import StageCut, cut_stages, evaluate_cut
 from autopar_passes.plan_build import build_plan
@@ -536,7 +542,9 @@ def _evaluate(
         # gathers after the step
         time = sum(part.time_at(scale) for part in parts)
         states = sum(part.states for part in parts) - _shared_states(costs)
-        activations = sum(part.activations for part in parts) * scale
+        # offloaded parameters' working copies in flight are transient like activations
+        # and held beside them (0 without): counted with them
+        activations = sum(part.activations for part in parts) * scale + fetch_transient(parts)
         first_sync, first_after = first_calls(parts)
         shared_sync, shared_after = _shared_sync(costs)
         sync = sum(part.sync_s for part in parts) - shared_sync + first_sync

@@ -66,3 +66,22 @@ def test_the_memory_views_show_what_each_device_keeps_in_host_memory(offloaded, 
     assert result.returncode == 0, result.stderr
     page = report.read_text()
     assert "in host memory" in page and format_bytes(host) in page
+
+
+def test_offload_parameters_forces_the_optimizers_too_and_explain_says_so(tmp_path):
+    path = tmp_path / "parameters.json"
+    result = run(
+        "plan", "llama-tiny", "--mesh", "2", "--device", "h100-sxm", "--stages", "1",
+        "--offload", "parameters", "-o", str(path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    plan = load_plan(path)
+    assert plan.offload.parameters and plan.offload.optimizer
+    assert plan.estimate.memory_per_device_bytes.params == 0
+    words = " ".join(result.stdout.replace("│", " ").split())
+    assert "offload optimizer states and parameters in host memory" in words
+    explained = run("explain", str(path), "offload", "--format", "json")
+    assert explained.returncode == 0, explained.stderr
+    rows = {row["kind"]: row for row in json.loads(explained.stdout)["rows"]}
+    assert rows["parameters"]["used"] and rows["optimizer"]["used"]
+    assert rows["parameters"]["frees_bytes"] > 0

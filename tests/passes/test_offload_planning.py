@@ -129,3 +129,63 @@ def test_zero2_and_a_forced_optimizer_offload_exclude_each_other(gpt):
     model, inputs, mesh, *_ = gpt
     with pytest.raises(UsageError, match="zero=2 sums each microbatch"):
         autopar.plan(model, mesh, inputs, zero=2, offload="optimizer", **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def deep():
+    """llama-tiny with eight layers (two layers' working copies in flight are a quarter of
+    them, where two of two would be all) and the least states an offloaded optimizer
+    leaves on the device: every parameter sharded over both, working copies and
+    gradients."""
+    model, inputs = build("llama-tiny", device="meta", batch_size=4, n_layer=8)
+    mesh = autopar.Mesh((2,), device="h100-sxm")
+    optimizer = autopar.plan(model, mesh, inputs, force="fsdp", offload="optimizer", **OPTIONS)
+    memory = optimizer.estimate.memory_per_device_bytes
+    return model, inputs, mesh, optimizer, memory.params + memory.grads
+
+
+def test_where_only_parameter_offload_fits_the_plan_offloads_the_parameters_too(deep):
+    """At a limit the optimizer's offload fills with its states alone (no plan without
+    activations), the working copies go to the host as well."""
+    model, inputs, mesh, optimizer, floor = deep
+    plan = autopar.plan(model, mesh, inputs, memory_limit=floor, **OPTIONS)
+    assert plan.offload.parameters and plan.offload.optimizer
+    assert plan.parallelism.zero in (0, 3)  # no ZeRO-1/2 axes: FSDP layouts may shard
+    memory = plan.estimate.memory_per_device_bytes
+    assert memory.params == 0 and memory.optimizer == 0
+    assert memory.total <= floor * (1 + 1e-6)
+    # the host holds the masters, states and (mixed precision) the cast working copies
+    assert memory.host > optimizer.estimate.memory_per_device_bytes.host
+    # every microbatch waits for some of the fetches: slower than the optimizer's offload
+    assert plan.estimate.step_time_s > optimizer.estimate.step_time_s
+    assert offload_summary(plan).startswith("optimizer states and parameters in host memory")
+
+
+def test_offloaded_parameters_leave_two_layers_working_copies_on_the_device(deep):
+    model, inputs, mesh, optimizer, _ = deep
+    plan = autopar.plan(model, mesh, inputs, force="fsdp", offload="parameters", **OPTIONS)
+    assert plan.offload.parameters and plan.parallelism.zero == 3
+    memory = plan.estimate.memory_per_device_bytes
+    kept = optimizer.estimate.memory_per_device_bytes
+    assert memory.params == 0 and memory.grads == kept.grads
+    # what stays of the working copies: about two of the ten groups' (eight layers, the
+    # embedding before and the head after), held with the activations
+    transient = memory.activations - kept.activations
+    assert 0 < transient < 0.5 * kept.params
+    assert memory.total < kept.total
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_forced_parameter_offload_and_a_forced_zero_stage_exclude_each_other(gpt, zero):
+    model, inputs, mesh, *_ = gpt
+    with pytest.raises(UsageError, match=r"ZeRO stage 0 only.*force zero 0"):
+        autopar.plan(model, mesh, inputs, zero=zero, offload="parameters", **OPTIONS)
+
+
+def test_parameter_offload_without_the_optimizers_is_refused_saying_what_to_do(gpt):
+    model, inputs, mesh, *_ = gpt
+    wanted = {"parameters": "on", "optimizer": "off"}
+    with pytest.raises(UsageError, match=r"needs the optimizer offloaded too"):
+        autopar.plan(model, mesh, inputs, offload=wanted, **OPTIONS)
+    with pytest.raises(HintError, match=r"needs the optimizer offloaded too"):
+        autopar.plan(model, mesh, inputs, hints={"offload": wanted}, **OPTIONS)
