@@ -478,6 +478,19 @@ def _fsdp_groups(
     return groups, singles
 
 
+def regathered_params(traced: TracedModel, plan: Plan) -> set[str]:
+    """The parameters the runtime fetches again in backward for their gathers: those an
+    op keeps gathered (``Reshard.regathered``), and every member of an FSDP group one of
+    whose members is (the group is gathered again whole)."""
+    walk = Walk(traced, plan, plan.stage_mesh or plan.mesh, 1.0)
+    groups, singles = _fsdp_groups(traced, plan, walk.run(), walk.cast)
+    found = {r.param for r in singles if r.regathered}
+    for members in groups.values():
+        if any(r.regathered for r in members):
+            found |= {r.param for r in members}
+    return {name for name in found if name is not None}
+
+
 def _wire_dtype(plan: Plan, dtype: str) -> str:
     return WIRE_DTYPE.get(plan.precision, dtype) if dtype == "float32" else dtype
 

@@ -43,7 +43,7 @@ def wrap_recompute(program: torch.fx.GraphModule, regions: Iterable[RecomputeReg
     returns how many were wrapped."""
     wrapped = 0
     for region in regions:
-        per_layer = _split_by_layer(region)
+        per_layer = region_layers(region)
         for layer, names in per_layer.items():
             nodes = _region_nodes(program.graph, set(names))
             if not nodes:
@@ -57,7 +57,7 @@ def wrap_recompute(program: torch.fx.GraphModule, regions: Iterable[RecomputeReg
     return wrapped
 
 
-def _split_by_layer(region: RecomputeRegion) -> dict[int, list[str]]:
+def region_layers(region: RecomputeRegion) -> dict[int, list[str]]:
     """The region's node names per layer (a region lists the same nodes in each layer)."""
     if not region.layers:
         return {0: list(region.nodes)}

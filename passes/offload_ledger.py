@@ -18,14 +18,18 @@ A pipeline rank's figures are its own stage's, the busiest stage's for the plan.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 
 from autopar_cost_model.hardware import DevicePreset
 from autopar_cost_model.host import host_copy_time
 from autopar_cost_model.memory import microbatches_in_flight
-from autopar_passes.ledger import grad_dtype, itemsize, working_dtype
+from autopar_passes.ledger import grad_dtype, itemsize, regathered_params, working_dtype
+from autopar_passes.lower_recompute import region_layers
+from autopar_passes.lower_stages import stage_of_nodes
 from autopar_passes.mixed_precision import cast_for_gather
 from autopar_passes.pipeline.layer_costs import Part
+from autopar_passes.strategies.graph import tensor_inputs
 from autopar_passes.trace import TracedModel
 from autopar_plans.offload import HostCopy
 from autopar_plans.placement import zero_axes
@@ -50,7 +54,9 @@ def optimizer_copies(
         down, up = down + grad_b, up + master_b
         down_s += host_copy_time(grad_b, preset, "from_device")
         up_s += host_copy_time(master_b, preset, "to_device")
-    # after backward and before the next forward: the step waits for both
+    # after backward and before the next forward: the step waits for both; with the
+    # parameters offloaded too the stepped masters stay on the host (fetched per layer)
+    ways = [("to_host", down, down_s), ("to_device", up, up_s)]
     return [
         HostCopy(
             purpose="optimizer",
@@ -60,7 +66,93 @@ def optimizer_copies(
             seconds=seconds,
             exposed_s=seconds,
         )
-        for direction, nbytes, seconds in (("to_host", down, down_s), ("to_device", up, up_s))
+        for direction, nbytes, seconds in ways[: 1 if plan.offload.parameters else 2]
+    ]
+
+
+@dataclass(frozen=True)
+class ParamReads:
+    """How a program reads one parameter (``runtime.param_offload``): per microbatch its
+    forward fetches it ``forward`` times and its backward ``backward`` times."""
+
+    forward: int
+    backward: int
+
+
+def param_reads(
+    traced: TracedModel, plan: Plan, nodes: Collection[str] | None
+) -> dict[str, ParamReads]:
+    """Per parameter the ops ``nodes`` (None: all) read, as the runtime fetches it: once in
+    forward where an op outside the recompute regions reads it (through views), and again
+    in backward where such an op saves it; once each way per recompute region (per layer)
+    that reads it, since the region fetches its own and its recomputation fetches again."""
+    notes = traced.annotations()
+    param_of = {n: name for name, info in traced.params.items() for n in info.nodes}
+    region_of = {
+        node: (region.name, layer)
+        for region in plan.recompute
+        for layer, names in region_layers(region).items()
+        for node in names
+    }
+    root: dict[str, str] = {}
+    reads: dict[str, tuple[bool, bool, set[tuple[str, int]]]] = {}
+    for node in traced.graph.nodes:
+        note = notes[node.name]
+        if note.alias_of is not None:  # a view reads nothing: its users read its base
+            root[node.name] = root.get(note.alias_of, note.alias_of)
+            continue
+        if nodes is not None and node.name not in nodes:
+            continue
+        for index, source in enumerate(tensor_inputs(node)):
+            name = param_of.get(root.get(source.producer, source.producer))
+            if name is None:
+                continue
+            top, saved, regions = reads.get(name, (False, False, set()))
+            where = region_of.get(node.name)
+            if where is None:
+                top, saved = True, saved or index in note.saved_inputs
+            else:
+                regions = regions | {where}
+            reads[name] = (top, saved, regions)
+    # a gathered parameter's group is fetched whole to be gathered again
+    regathered = regathered_params(traced, plan) if reads else set()
+    return {
+        name: ParamReads(
+            int(top) + len(regions), int(saved or (top and name in regathered)) + len(regions)
+        )
+        for name, (top, saved, regions) in reads.items()
+    }
+
+
+def parameter_copies(
+    plan: Plan,
+    reads: Mapping[str, ParamReads],
+    cast: frozenset[str],
+    preset: DevicePreset,
+    exposed_s: float,
+) -> list[HostCopy]:
+    """Offloaded parameters up from the host, every microbatch: each working copy as many
+    times as ``reads`` says, forward and backward (one copy per fetch)."""
+    mesh = plan.stage_mesh or plan.mesh
+    microbatches = plan.parallelism.microbatches
+    nbytes = calls = seconds = 0.0
+    for name, read in reads.items():
+        param = plan.params[name]
+        local = math.prod(param.param.local_shape(param.shape, mesh.shape))
+        each = local * itemsize(working_dtype(plan, param, name in cast))
+        times = microbatches * (read.forward + read.backward)
+        nbytes += times * each
+        calls += times
+        seconds += times * host_copy_time(each, preset, "to_device")
+    return [
+        HostCopy(
+            purpose="parameters",
+            direction="to_device",
+            bytes=nbytes,
+            calls=int(calls),
+            seconds=seconds,
+            exposed_s=min(exposed_s, seconds),
+        )
     ]
 
 
@@ -100,6 +192,10 @@ def stage_host(
     held: list[float] = []
     seconds: list[float] = []
     copies: list[HostCopy] = []
+    stage_of = {
+        node: stage % par.pp
+        for node, stage in (stage_of_nodes(traced, plan) if par.pp > 1 else {}).items()
+    }
     for index, parts in enumerate(stages):
         schedule = par.schedule if par.pp > 1 else "none"
         flight = microbatches_in_flight(schedule, par.pp, index, par.microbatches, par.chunks)
@@ -110,9 +206,17 @@ def stage_host(
         mine: list[HostCopy] = []
         if plan.offload.optimizer:
             mine += optimizer_copies(plan, list(states), cast, preset)
+        if plan.offload.parameters:
+            nodes = None if par.pp == 1 else {n for n, s in stage_of.items() if s == index}
+            reads = param_reads(traced, plan, nodes)
+            # prefetched per layer: what the layers' compute does not hide (``Part.fetch_s``)
+            fetch_waits = par.microbatches * sum(p.fetch_s for p in parts)
+            mine += parameter_copies(plan, reads, cast, preset, fetch_waits)
         if plan.offload.activations:
             mine += activation_copies(acts, par.microbatches, moved, preset)
         held.append(sum(states.values()) + flight * acts)
-        seconds.append(moved + sum(c.seconds for c in mine if c.purpose == "optimizer"))
+        waits = sum(c.seconds for c in mine if c.purpose == "optimizer")
+        waits += sum(c.exposed_s for c in mine if c.purpose == "parameters")
+        seconds.append(moved + waits)
         copies += [c.model_copy(update={"stage": index}) for c in mine]
     return held, seconds, tuple(copies)

@@ -70,8 +70,10 @@ from autopar.runtime.groups import axis_groups
 from autopar.runtime.local_sgd import LocalSGD
 from autopar.runtime.local_shards import HOLDER as LOCAL_SHARDS
 from autopar.runtime.local_shards import LocalShards
+from autopar.runtime.memory_savers import Fetched
 from autopar.runtime.memory_savers import install as install_memory_savers
 from autopar.runtime.offload import HostLog, install_activation_offload
+from autopar.runtime.param_offload import Uplink, storageless_leaf
 from autopar.runtime.pipeline import (
     Loss,
     PipelineRunner,
@@ -561,7 +563,26 @@ class CompiledModel(nn.Module):
         master = nn.Parameter(master_dt)
         _set_attr(tree, target, master, "param")
         cast = self.precision.compute if name in self._cast else None
-        working = local.to(cast or local.dtype, copy=True).requires_grad_(True)
+        fetched = self.plan.offload.parameters
+        host_cast = None
+        if fetched:
+            # parameter offload (``runtime.param_offload``): the programs fetch the working
+            # copy from the host, where the master is (cast into ``host_cast`` after each
+            # step where the working dtype differs); the leaf they read holds no memory
+            if axes:
+                raise UsageError(
+                    f"parameter offload fetches each working copy whole from the host, but "
+                    f"{name!r} has its optimizer state sharded beyond its layout (ZeRO-"
+                    f"{self.plan.zero}): plan it with zero=0"
+                )
+            working = storageless_leaf(local.to(cast or local.dtype, copy=False), self.device)
+            if working.dtype != piece.dtype:
+                host_cast = torch.empty(
+                    piece.shape, dtype=working.dtype, pin_memory=self.device.type == "cuda"
+                )
+        else:
+            working = local.to(cast or local.dtype, copy=True).requires_grad_(True)
+        working.requires_grad_(True)
         # the graphs read it there (``autopar_passes.rewrites``: read_local_tensors)
         _set_attr(tree, working_copy_path(target), working, "constant")
         groups = self._sync_axis_groups
@@ -581,6 +602,8 @@ class CompiledModel(nn.Module):
             others,
             shard_gradient=plan.grad != plan.param,
             host=host,
+            fetched=fetched,
+            host_cast=host_cast,
             part=self._part_of.get(target, 0),
         )
 
@@ -770,11 +793,25 @@ class CompiledModel(nn.Module):
             {read_at[t]: layer for t, layer in layers.items() if t in read_at},
             frozenset(read_at[t] for t, n in lowered.params.items() if t in read_at and n in cast),
             gathers=self._gathers,
+            fetched=self._fetched(lowered, read_at),
         )
         if plan.offload.activations:  # after the regather: its hooks nest inside
             for module in modules:
                 install_activation_offload(module, self.device, self.host_log)
         return modules
+
+    def _fetched(self, lowered: LoweredGraph, read_at: dict[str, str]) -> Fetched | None:
+        """Under parameter offload, each parameter's host working copy by where the
+        programs read it (``runtime.param_offload``)."""
+        if not self.plan.offload.parameters:
+            return None
+        zero = self._zero.params
+        pieces = {
+            read_at[target]: zero[name].host_working
+            for target, name in lowered.params.items()
+            if target in read_at and name in zero
+        }
+        return Fetched(pieces, Uplink.to(self.device, self.host_log))
 
     def _call(
         self,

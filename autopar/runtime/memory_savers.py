@@ -4,6 +4,9 @@
   outlined into non-reentrant activation checkpoints (``autopar_passes.lower_recompute``).
 - FSDP regather: a parameter stored sharded is all-gathered before use; the gathered weight
   is not kept for backward but gathered again there (``runtime.regather``).
+- Parameter offload: the offloaded parameters are fetched from host memory per layer, and
+  a fetched weight is not kept for backward but fetched again there
+  (``runtime.param_offload``).
 
 Before the regather is set up, each program's all-gathers of parameters are grouped per
 layer into one collective each (``runtime.param_groups``), as FSDP2 gathers a block.
@@ -15,6 +18,8 @@ program), so a forward call and a pipeline schedule's stage calls get them alike
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,10 +27,20 @@ from torch import nn
 
 from autopar.runtime.collectives import AllGather
 from autopar.runtime.param_groups import GatherParams, group_param_gathers
+from autopar.runtime.param_offload import FetchParams, HostPiece, Uplink, fetch_params
 from autopar.runtime.precision import check_precision
 from autopar.runtime.regather import ParamGathers
 from autopar_passes.lower_recompute import wrap_recompute
 from autopar_plans.plan import Plan
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """Parameter offload (``runtime.param_offload``): each offloaded parameter's host copy
+    by the ``get_attr`` target the programs read, and where fetches copy them."""
+
+    pieces: Mapping[str, HostPiece]
+    uplink: Uplink
 
 
 def install(
@@ -35,6 +50,7 @@ def install(
     param_layers: Mapping[str, int | None],
     cast: frozenset[str] = frozenset(),
     gathers: ParamGathers | None = None,
+    fetched: Fetched | None = None,
 ) -> ParamGathers | None:
     """Wrap ``plan``'s recompute regions in every program, group the all-gathers of
     parameters per layer (``param_layers``: each parameter's ``get_attr`` target and its
@@ -44,24 +60,35 @@ def install(
     in the compute dtype (``autopar_passes.mixed_precision``); ``gathers``: the record the
     rank's other programs keep, which the collectives they share write to. Returns the
     regather record (None when no program gathers a parameter)."""
+    fetches: list[FetchParams] = []
     for program in programs:
         wrap_recompute(program, plan.recompute)
         # after the regions: a region's own gathers stay in it (run again in backward)
         group_param_gathers(program, param_layers, cast, check_precision(plan.precision).compute)
+        if fetched is not None:  # after the groups: a group gathers what a fetch made
+            mine = fetch_params(program, fetched.pieces, param_layers, fetched.uplink)
+            program.register_forward_pre_hook(partial(_drop_prefetches, mine))
+            fetches += mine
     gathers_params = [
         module
         for program in programs
         for module in program.modules()
         if isinstance(module, AllGather | GatherParams)
     ]
-    if not gathers_params or not _any_sharded_param(plan):
+    if not fetches and (not gathers_params or not _any_sharded_param(plan)):
         return None
     gathers = gathers or ParamGathers(is_local)
-    for module in gathers_params:
+    for module in [*gathers_params, *fetches]:
         module.gathers = gathers
     for program in programs:
         _hook_forward(program, gathers)
     return gathers
+
+
+def _drop_prefetches(fetches: list[FetchParams], *_: Any) -> None:
+    """A forward starts with no prefetch in flight (one a stopped forward left is stale)."""
+    for fetch in fetches:
+        fetch.drop_prefetch()
 
 
 def _any_sharded_param(plan: Plan) -> bool:

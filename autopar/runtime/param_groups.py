@@ -217,8 +217,14 @@ class GroupRegather:
         dims: Sequence[int],
         group: Group,
         previous: GroupRegather | None = None,
+        sources: Sequence[Any] | None = None,
     ):
-        self._shards = tuple(shards)
+        """``sources``: where to have the shards again (``regather.Source``s) instead of
+        keeping them, when they are not the parameters' own (fetched from host memory,
+        ``runtime.param_offload``): each is claimed once per gather of the group."""
+        self._sources = tuple(sources) if sources is not None else None
+        self._shards = tuple(shards) if sources is None else ()
+        self._launched: tuple[torch.Tensor, ...] = ()
         self._dims = tuple(dims)
         self._group = group
         self._pending = 0
@@ -232,13 +238,23 @@ class GroupRegather:
         return _Member(self, index)
 
     def claim(self) -> None:
+        if self._pending == 0 and self._sources is not None:
+            for source in self._sources:  # this group will fetch its shards once
+                source.claim()
         self._pending += 1
+
+    def _current_shards(self) -> tuple[torch.Tensor, ...]:
+        if self._sources is None:
+            return self._shards
+        return tuple(source.fetch() for source in self._sources)
 
     def prefetch(self) -> None:
         """Launch this group's gather without waiting, if backward will fetch it."""
         if self._pending > 0 and self._wholes is None and self._inflight is None:
             with torch.no_grad():
-                self._inflight = launch_gather(self._shards, self._group, ())
+                shards = self._current_shards()
+                self._inflight = launch_gather(shards, self._group, ())
+                self._launched = shards  # until the gather is taken (fetched shards)
 
     def fetch(self, index: int) -> torch.Tensor:
         wholes = self._wholes
@@ -247,7 +263,9 @@ class GroupRegather:
             rows = inflight.rows_for(()) if inflight is not None else None
             self.prefetched = rows is not None
             with torch.no_grad():
-                wholes = gather_group(self._shards, self._dims, self._group, rows=rows)
+                shards = self._current_shards() if rows is None else self._launched
+                self._launched = ()
+                wholes = gather_group(shards, self._dims, self._group, rows=rows)
             self._prefetch_next()
         self._pending -= 1
         # kept only while claimed weights remain (a second backward gathers each anew)
@@ -331,7 +349,13 @@ class GatherParams(Collective):
         shards = tuple(to_param_dtype(shard, self.param_dtype) for shard in shards)
         wholes = _GatherGroup.apply(self.dims, self.group, rows, *shards)
         if self.gathers is not None:
-            regather = GroupRegather(shards, self.dims, self.group, self.gathers.last_group)
+            regather = GroupRegather(
+                shards,
+                self.dims,
+                self.group,
+                self.gathers.last_group,
+                sources=self.gathers.sources_of(shards),
+            )
             self.gathers.last_group = regather
             self.gathers.record_sources(wholes, [regather.member(i) for i in range(len(shards))])
         for following in self.following:

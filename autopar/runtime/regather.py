@@ -88,12 +88,15 @@ class ParamGathers:
         self._is_param = is_param
         self._made: dict[int, tuple[weakref.ref[torch.Tensor], _Recipe]] = {}
         # the last group of parameters gathered in this forward (``param_groups``): the
-        # next one links to it, so that backward can prefetch the group it reaches next
+        # next one links to it, so that backward can prefetch the group it reaches next;
+        # likewise the last group of offloaded parameters fetched (``param_offload``)
         self.last_group: Any = None
+        self.last_fetch: Any = None
 
     def clear(self) -> None:
         self._made.clear()
         self.last_group = None
+        self.last_fetch = None
 
     def record(
         self, output: torch.Tensor, source: torch.Tensor, dim: int, group: AxisGroup
@@ -102,7 +105,7 @@ class ParamGathers:
         if self._is_param(source):
             recipe = _Recipe(_Shard(source), ((dim, group),))
         else:
-            known = self._lookup(source)
+            known = self._lookup(source, whole=True)
             if known is None:
                 return  # an activation: nothing to do
             recipe = _Recipe(known.source, (*known.gathers, (dim, group)))
@@ -113,14 +116,26 @@ class ParamGathers:
         for output, source in zip(outputs, sources, strict=True):
             self._remember(output, _Recipe(source, ()))
 
+    def sources_of(self, tensors: Sequence[torch.Tensor]) -> list[Source] | None:
+        """Where each of ``tensors`` can be had again, if every one is a whole parameter a
+        fetch made (``runtime.param_offload``): a group gathering them need not keep them."""
+        recipes = [self._lookup(t, whole=True) for t in tensors]
+        if any(r is None or r.gathers for r in recipes):
+            return None
+        return [r.source for r in recipes if r is not None]
+
     def _remember(self, output: torch.Tensor, recipe: _Recipe) -> None:
         for made in (output, output._base):  # autograd may hand out a view of it
             if made is not None:
                 self._made[id(made)] = (weakref.ref(made), recipe)
 
-    def _lookup(self, tensor: torch.Tensor) -> _Recipe | None:
+    def _lookup(self, tensor: torch.Tensor, whole: bool = False) -> _Recipe | None:
+        """The recipe of ``tensor`` or of the tensor it views (``whole``: only of a view
+        that is all of it, since what is replayed from it is the whole)."""
         for candidate in (tensor, tensor._base):
             if candidate is None:
+                continue
+            if whole and not _same_view(tensor, candidate):
                 continue
             entry = self._made.get(id(candidate))
             if entry is not None and entry[0]() is candidate:
@@ -153,3 +168,11 @@ class ParamGathers:
             return packed
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _same_view(tensor: torch.Tensor, base: torch.Tensor) -> bool:
+    return (
+        tensor.size() == base.size()
+        and tensor.stride() == base.stride()
+        and tensor.storage_offset() == base.storage_offset()
+    )

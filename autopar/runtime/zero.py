@@ -83,6 +83,11 @@ class ZeroParam:
     # offload (``autopar_plans.offload``): the master, its gradient and the optimizer's
     # states live in host memory; gradients go down and masters come up through ``host``
     host: HostSide | None = None
+    # parameter offload (``runtime.param_offload``): ``working`` owns no memory and the
+    # programs fetch the working copy from the host: the master itself, or ``host_cast``,
+    # the master cast to the working dtype on the host after each step
+    fetched: bool = False
+    host_cast: torch.Tensor | None = None
     seen_version: tuple[int, int] = (-1, -1)
     # the pipeline stage (of this rank's) whose backward makes its gradient: buckets keep
     # to one, so each is summed in its own stage's backward
@@ -92,6 +97,10 @@ class ZeroParam:
     def master_local(self) -> torch.Tensor:
         """This device's master piece as a plain tensor (no autograd)."""
         return local_of(self.master)
+
+    def host_working(self) -> torch.Tensor:
+        """The working copy in host memory that a fetch copies up (parameter offload)."""
+        return self.host_cast if self.host_cast is not None else self.master_local
 
     @property
     def version(self) -> tuple[int, int]:
@@ -147,6 +156,11 @@ class _Bucket:
         working copies themselves. An offloaded master is cast on the host and copied up
         first (into the working copy itself where no ZeRO axis splits it)."""
         params = self.params
+        if self.first.fetched:  # offloaded parameters: only the host's cast copies
+            for p in params:
+                if p.host_cast is not None:
+                    p.host_cast.copy_(p.master_local)
+            return
         pieces = [p.master_local.to(p.working.dtype) for p in params]
         host = self.first.host
         if host is not None:
@@ -403,7 +417,7 @@ class ZeroShards:
         """The parameter's local value at full precision: its working copy, or the masters
         gathered where the working copy is cast."""
         p = self.params[name]
-        if p.working.dtype != p.master.dtype:
+        if p.working.dtype != p.master.dtype or p.fetched:
             return self.whole(p, p.master_local)
         self.gather()
         return p.working.detach()

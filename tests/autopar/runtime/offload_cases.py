@@ -64,11 +64,13 @@ def _held(compiled: Any, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     ]
     hosted = {id(z.master) for z in host}
     return {
+        # a working copy's memory (none for a fetched one: runtime.param_offload)
         "params": _nbytes(p for p in compiled.parameters() if id(p) not in masters)
-        + _nbytes(z.working for z in zero),
+        + sum(z.working.untyped_storage().nbytes() for z in zero),
         "optimizer": _nbytes(z.master for z in zero if z.host is None)
         + _nbytes(t for owner, t in states if owner not in hosted),
         "host": _nbytes(z.master for z in host)
+        + _nbytes(z.host_cast for z in host if z.host_cast is not None)
         + _nbytes(z.master.grad for z in host if z.master.grad is not None)
         + _nbytes(t for owner, t in states if owner in hosted),
     }
@@ -86,8 +88,13 @@ def offload_runs(
     for case in cases:
         runs = {}
         trained = {}
-        key = tuple(case.get(k) for k in ("force", "stages", "microbatches", "zero", "precision"))
-        for offload in (None, case["offload"]):
+        key = tuple(
+            case.get(k)
+            for k in ("force", "stages", "microbatches", "zero", "precision", "baseline")
+        )
+        # compared with the run without offload, or with ``baseline``'s offload where that
+        # is the same arithmetic (a ZeRO working copy's bf16 gradient, under mixed precision)
+        for offload in (case.get("baseline"), case["offload"]):
             if offload is None and key in plain and not case.get("checkpoint"):
                 runs[None], trained[None] = plain[key]  # the same run as an earlier case's
                 continue
@@ -130,6 +137,8 @@ def offload_runs(
                 "held": _held(compiled, optimizer),
                 "memory": memory.model_dump(),
             }
+        baseline = case.get("baseline")
+        runs[None], trained[None] = runs[baseline], trained[baseline]
         plain.setdefault(key, (runs[None], trained[None]))
         result = {"case": case, "plain": runs[None], "offloaded": runs[case["offload"]]}
         if case.get("checkpoint"):

@@ -1,14 +1,16 @@
 """Offload trains what the device trains: each offload policy, forced by a hint, on real gloo
 ranks (a 2 x 2 mesh) with data parallelism, FSDP and a two-stage pipeline.
 
-Per case one spawn trains gpt-tiny three AdamW steps with and without the offload and
-checks, rank by rank:
+Per case one spawn trains gpt-tiny three AdamW steps with and without the offload (with
+parameters offloaded under bf16 mixed precision: against the optimizer offloaded alone,
+whose bf16 working gradients it shares) and checks, rank by rank:
 
 - the final parameters are the non-offloaded run's (1e-5; they come out bit-equal: the host
   steps the same fp32 values);
 - the collectives are still exactly the plan's ledger, and the host copies of the last step
-  are the plan's ``Estimate.host``: the optimizer's byte for byte and call for call, the
-  activations' within the saved-activation estimate's accuracy (``docs/activation_memory.md``);
+  are the plan's ``Estimate.host``: the optimizer's and the parameter fetches' byte for
+  byte and call for call (``runtime.param_offload``), the activations' within the
+  saved-activation estimate's accuracy (``docs/activation_memory.md``);
 - offloaded state round-trips through the sharded checkpoint: saved from the offloaded
   run (model and optimizer) and loaded into a fresh model with or without the offload,
   one more step gives the uninterrupted run's parameters, and in it torch's
@@ -48,6 +50,20 @@ CASES: dict[str, dict[str, Any]] = {
         "microbatches": 4,
         "offload": "optimizer,activations",
     },
+    "dp/parameters": {"force": "dp", "offload": "optimizer,parameters", "checkpoint": True},
+    "fsdp/parameters": {"force": "fsdp", "offload": "optimizer,parameters"},
+    "fsdp/bf16_mixed/parameters": {
+        "force": "fsdp",
+        "precision": "bf16_mixed",
+        "offload": "optimizer,parameters",
+        "baseline": "optimizer",
+    },
+    "pp/1f1b/parameters": {
+        "force": "dp",
+        "stages": 2,
+        "microbatches": 4,
+        "offload": "optimizer,parameters",
+    },
 }
 # the saved-activation estimate's accuracy (tests/autopar/runtime/test_activation_memory.py)
 ACTIVATIONS_RTOL = 0.1
@@ -67,7 +83,10 @@ def test_offloaded_training_ends_with_the_same_parameters(
         plain, offloaded = result["plain"], result["offloaded"]
         wanted = dict.fromkeys(k for k in CASES[case]["offload"].split(","))
         assert [k for k, on in offloaded["offload"].items() if on] == list(wanted)
-        assert not any(plain["offload"].values())
+        baseline = CASES[case].get("baseline", "")
+        assert [k for k, on in plain["offload"].items() if on] == [
+            k for k in baseline.split(",") if k
+        ]
         for name, value in plain["params"].items():
             torch.testing.assert_close(offloaded["params"][name], value, rtol=1e-5, atol=1e-5)
 
@@ -83,7 +102,7 @@ def test_collectives_and_host_copies_are_the_plans(
         assert set(copied) == set(planned)
         for (purpose, direction), (nbytes, calls) in copied.items():
             want_bytes, want_calls = planned[(purpose, direction)]
-            if purpose == "optimizer":  # one copy per parameter piece each way
+            if purpose in ("optimizer", "parameters"):  # one copy per parameter (fetch)
                 assert (nbytes, calls) == (want_bytes, want_calls)
             else:
                 assert nbytes == pytest.approx(want_bytes, rel=ACTIVATIONS_RTOL)
@@ -98,10 +117,14 @@ def test_device_and_host_state_bytes_are_the_plans(
         held, memory = offloaded["held"], offloaded["memory"]
         assert held["params"] == memory["params"]
         assert held["optimizer"] == memory["optimizer"]
-        if "optimizer" in CASES[case]["offload"]:
+        if "optimizer" in CASES[case]["offload"] and "baseline" not in CASES[case]:
             # the optimizer's bytes leave the device whole, for the host
             assert memory["optimizer"] == 0 < plain["memory"]["optimizer"]
             assert held["host"] > plain["held"]["optimizer"]
+        if "parameters" in CASES[case]["offload"]:
+            # no working copy stays on the device between uses; under mixed precision the
+            # host holds a cast one beside the master
+            assert held["params"] == memory["params"] == 0 < plain["memory"]["params"]
         if "activations" in CASES[case]["offload"]:
             assert memory["activations"] == 0 < plain["memory"]["activations"]
         else:
