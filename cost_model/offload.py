@@ -43,6 +43,10 @@ from typing import NamedTuple
 from autopar_cost_model.hardware import DevicePreset
 from autopar_cost_model.host import host_copy_time, host_of, host_step_time
 
+# offloaded parameters' layer groups on the device at once: the one in use and the one
+# prefetched (``runtime.param_offload``)
+FETCHES_IN_FLIGHT = 2
+
 
 class OffloadCost(NamedTuple):
     """One parameter piece's optimizer offload per step: bytes each way and seconds."""

@@ -342,6 +342,7 @@ def _estimate(
     acts = sum(parts.activations[d][k] for d, k in choice.items()) + parts.edge_memory(choice)
     if solved.cost.offload.activations:  # held on the host (``Solved.host_memory``)
         acts = 0.0
+    acts += solved.transient()  # offloaded parameters' copies in flight, as the search counts
     notes = [n.meta[META_KEY] for n in traced.graph.nodes]
     flops = float(sum(a.fwd_flops + a.bwd_flops for a in notes)) * microbatches
     mesh = solved.cost.mesh_cost.mesh

@@ -26,7 +26,11 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from autopar_cost_model.offload import activation_offload_time, parameter_offload_time
+from autopar_cost_model.offload import (
+    FETCHES_IN_FLIGHT,
+    activation_offload_time,
+    parameter_offload_time,
+)
 from autopar_passes.annotation import TensorInfo
 from autopar_passes.costs import CallKey, CostModel
 from autopar_passes.decisions import Decisions
@@ -503,7 +507,7 @@ def parameter_transient(
         else:
             held = max((row[k] for k in allowed.get(name, range(len(row)))), default=0.0)
         groups[group] = groups.get(group, 0.0) + held
-    return 2.0 * max(groups.values(), default=0.0)
+    return FETCHES_IN_FLIGHT * max(groups.values(), default=0.0)
 
 
 def param_readers(decisions: Decisions) -> dict[str, list[str]]:

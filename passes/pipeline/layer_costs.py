@@ -18,7 +18,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from autopar_cost_model.offload import activation_offload_time, parameter_offload_time
+from autopar_cost_model.offload import (
+    FETCHES_IN_FLIGHT,
+    activation_offload_time,
+    parameter_offload_time,
+)
 from autopar_passes.annotation import META_KEY, NodeAnnotation, TensorInfo, dtype_itemsize
 from autopar_passes.costs import CallKey, CostModel, SyncCall
 from autopar_passes.mixed_precision import autocast_dtypes
@@ -127,7 +131,7 @@ def fetch_transient(parts: Iterable[Part]) -> float:
     """Device bytes of offloaded parameters' working copies in flight on a stage of
     ``parts``: the part in use and the one prefetched, taken as twice the largest
     (``autopar_passes.problem.parameter_transient``)."""
-    return 2.0 * max((part.working for part in parts), default=0.0)
+    return FETCHES_IN_FLIGHT * max((part.working for part in parts), default=0.0)
 
 
 def first_calls(parts: Iterable[Part]) -> tuple[float, float]:

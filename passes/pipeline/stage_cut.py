@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopar_cost_model.memory import microbatches_in_flight
-from autopar_passes.pipeline.layer_costs import LayerCosts
+from autopar_cost_model.offload import FETCHES_IN_FLIGHT
+from autopar_passes.pipeline.layer_costs import LayerCosts, fetch_transient
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,9 @@ def cut_stages(
     state_sum = _prefix([layer.states for layer in costs.layers])
     act_sum = _prefix([layer.activations for layer in costs.layers])
 
-    def stage(s: int, first: int, end: int) -> tuple[float, float]:
-        """Time and memory of stage ``s`` holding layers ``first .. end - 1``."""
+    def stage(s: int, first: int, end: int, working: float) -> tuple[float, float]:
+        """Time and memory of stage ``s`` holding layers ``first .. end - 1``, of which the
+        largest fetches ``working`` bytes (offloaded parameters)."""
         time = time_sum[end] - time_sum[first] + p2p_s[s]
         states = state_sum[end] - state_sum[first]
         acts = act_sum[end] - act_sum[first]
@@ -83,7 +85,9 @@ def cut_stages(
                 time += part.time_at(scale)
                 states += part.states
                 acts += part.activations
-        return time, states + held[s] * scale * acts
+                working = max(working, part.working)
+        # offloaded parameters' copies in flight: the part in use and the one prefetched
+        return time, states + held[s] * scale * acts + FETCHES_IN_FLIGHT * working
 
     # slowest[s][i]: the least T_max of stages s .. p-1 holding layers i .. L-1 (inf: none
     # fits); after[s][i]: where stage s's layers end in that cut
@@ -94,11 +98,13 @@ def cut_stages(
     for s in reversed(range(p)):
         later = p - 1 - s  # stages after s, a layer each at least
         for first in range(s, count - later):
+            working = 0.0  # the largest layer's fetched bytes so far (a running max)
             for end in range(first + 1, count - later + 1):
+                working = max(working, costs.layers[end - 1].working)
                 rest = slowest[s + 1][end]
                 if rest == inf:
                     continue
-                time, memory = stage(s, first, end)
+                time, memory = stage(s, first, end, working)
                 if memory_limit is not None and memory > memory_limit:
                     continue
                 value = max(time, rest)
@@ -141,7 +147,8 @@ def evaluate_cut(
             parts.append(costs.post)
         held = microbatches_in_flight(schedule, p, s, microbatches)
         state = sum(part.states for part in parts)
-        act = held * scale * sum(part.activations for part in parts)
+        # offloaded parameters' copies in flight count with the activations (transient)
+        act = held * scale * sum(part.activations for part in parts) + fetch_transient(parts)
         times.append(sum(part.time_at(scale) for part in parts) + p2p_s[s])
         states.append(state)
         acts.append(act)
