@@ -40,8 +40,10 @@ Constraints::
         the first call of each bucket key: ``costs.SyncCall``)
         (B_min: the backward at its least, sum_d min_k hidden_by[d,k], a constant; f: the
         share of it compute really hides, ``DevicePreset.comm_overlap``)
-    sum_d sum_k s[d,k] memory[d,k] - freed <= memory limit   (bytes per device; freed:
-        what the recomputed layer copies give back, ``RecomputeTerm``)
+    sum_d sum_k s[d,k] memory[d,k] - freed + w <= memory limit   (bytes per device;
+        freed: what the recomputed layer copies give back, ``RecomputeTerm``; w: offloaded
+        parameters' copies in flight, the largest group's, below)
+    w >= sum_d sum_k s[d,k] transient_g[d,k]         for every group g of ``transient``
     s[d,k] = 0 for k not in allowed[d]               (forced strategies and hints)
     objective <= cutoff                              (optional: "beat this or say so",
         which the solver proves fast; ``autopar_passes.solve`` chains ZeRO stages with it)
@@ -228,6 +230,10 @@ class IlpProblem:
     memory_limit: float | None = None
     recompute: list[RecomputeTerm] = field(default_factory=list)
     recompute_budgets: list[RecomputeBudget] = field(default_factory=list)
+    # offloaded parameters (``runtime.param_offload``): per layer group, the bytes its
+    # fetched copies hold on the device per choice (times the groups in flight); the memory
+    # row holds the largest group's
+    transient: list[dict[str, list[float]]] = field(default_factory=list)
     group_calls: list[GroupCall] = field(default_factory=list)
     prefetch: list[PrefetchLink] = field(default_factory=list)
     buckets: int = 1  # gradient-sync buckets (layers): see the exposed-communication rows
@@ -274,6 +280,7 @@ def dominates(better: IlpProblem, worse: IlpProblem) -> bool:
         and better.prefetch == worse.prefetch
         and better.recompute == worse.recompute
         and better.recompute_budgets == worse.recompute_budgets
+        and better.transient == worse.transient
         and no_larger(better.overlappable, worse.overlappable)
         and no_larger(better.memory, worse.memory)
     )
@@ -433,6 +440,11 @@ def solve_ilp(
     if problem.memory_limit is not None:
         memory = _per_choice(select, problem.memory, scale=1 / GIB)
         memory.add(edge_memory).add(freed, -1.0)
+        if problem.transient:
+            in_flight = model.variable()
+            for group in problem.transient:
+                model.at_most(_per_choice(select, group, scale=1 / GIB), in_flight)
+            memory.add(in_flight)
         model.add(memory, upper=problem.memory_limit / GIB)
     model.minimize(objective)
     if cutoff is not None:

@@ -2,19 +2,19 @@
 
 For every decision choice: the compute time of its members and followers (forward and
 backward), their activation memory, the parameters' memory and gradient synchronisation
-(overlappable with one microbatch's backward pass, ``CostModel.sync_passes`` times a
-step), the optimizer's step of the piece each device steps, and what runs after it
-(ZeRO's gathers of the masters); under offload its host bytes and host-link seconds
-(offloaded parameters: their fetches every microbatch, and their working copies in
-flight as one constant of the memory row, ``parameter_transient``). For every
-edge between two decisions: the resharding time matrix, forward plus the adjoint
-backward. Edges out of a parameter (the all-gather of an FSDP-sharded weight, and its
-reduce-scatter in backward) are inline like any other, their bytes priced at the speed of
-their FSDP group's one call and the call's fixed cost paid once for the group
-(``ilp.GroupCall``). The runtime prefetches each group's gather behind the group before
-(``runtime.param_groups``): the edges carry what compute cannot hide of a gather, and
-``ilp.PrefetchLink`` the wait the rest leaves, by the ledger's rule, with the compute that
-hides it at its least (so the ILP errs toward gathers costing more than they do).
+(overlappable with one microbatch's backward pass, ``CostModel.sync_passes`` times a step),
+the optimizer's step of the piece each device steps, and what runs after it (ZeRO's gathers
+of the masters); under offload its host bytes and host-link seconds (offloaded parameters:
+their fetches every microbatch, and their working copies in flight per layer group, of
+which the memory row holds the largest, ``IlpProblem.transient``). For every edge between
+two decisions: the resharding time matrix, forward plus the adjoint backward. Edges out of
+a parameter (the all-gather of an FSDP-sharded weight, and its reduce-scatter in backward)
+are inline like any other, their bytes priced at the speed of their FSDP group's one call
+and the call's fixed cost paid once for the group (``ilp.GroupCall``). The runtime
+prefetches each group's gather behind the group before (``runtime.param_groups``): the
+edges carry what compute cannot hide of a gather, and ``ilp.PrefetchLink`` the wait the
+rest leaves, by the ledger's rule, with the compute that hides it at its least (so the ILP
+errs toward gathers costing more than they do).
 
 Costs are computed once per *representative* edge and node and multiplied by how many
 identical layers repeat them, so building the problem stays flat in depth.
@@ -89,7 +89,7 @@ class ProblemParts:
     offload_microbatch: dict[str, list[float]] = field(default_factory=dict)
     # offloaded parameters: (group, decision) -> the local working copies' bytes of one
     # copy of the group (``fsdp_group_shares``' groups: a layer, before, after) per choice,
-    # and the fixed transient term the memory row holds for them (``parameter_transient``)
+    # and the least any plan holds of them in flight (``parameter_transient``: a floor)
     working: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     transient: float = 0.0
     # each edge with its forward and backward matrices (over class pairs)
@@ -233,11 +233,7 @@ def build_problem(
         else term
         for e, (term, _, _) in enumerate(parts.edge_terms)
     ]
-    if parts.transient and problem.memory:
-        # a constant in the memory row: the same bytes on every choice of one decision
-        # (exactly one is taken); the ILP has no constant term of its own
-        first = next(iter(problem.memory))
-        problem.memory[first] = [m + parts.transient for m in problem.memory[first]]
+    problem.transient = transient_rows(parts.working)
     if offloads_activations:
         problem.edges = [replace(term, memory={}) for term in problem.edges]
     problem.prefetch = _prefetch_links(parts, microbatches)
@@ -490,6 +486,14 @@ def _offloaded_param(
     row[k] += working
 
 
+def transient_rows(working: dict[tuple[str, str], list[float]]) -> list[dict[str, list[float]]]:
+    """Per group, its decisions' device bytes in flight per choice (``IlpProblem.transient``)."""
+    groups: dict[str, dict[str, list[float]]] = {}
+    for (group, name), row in working.items():
+        groups.setdefault(group, {})[name] = [FETCHES_IN_FLIGHT * b for b in row]
+    return list(groups.values())
+
+
 def parameter_transient(
     working: dict[tuple[str, str], list[float]],
     allowed: dict[str, set[int]],
@@ -498,14 +502,13 @@ def parameter_transient(
     """Device bytes of offloaded parameters' working copies in flight: the group in use and
     the one prefetched, taken as twice the largest group's (a layer's, or those before or
     after the layers). Under ``choice``, the chosen layouts' local pieces; without, each
-    decision at its largest allowed choice (the replicated piece where any is allowed): a
-    bound the memory row can hold as a constant, which no choice exceeds."""
+    decision at its smallest allowed choice: the least any plan holds (a floor)."""
     groups: dict[str, float] = {}
     for (group, name), row in working.items():
         if choice is not None:
             held = row[choice[name]]
         else:
-            held = max((row[k] for k in allowed.get(name, range(len(row)))), default=0.0)
+            held = min((row[k] for k in allowed.get(name, range(len(row)))), default=0.0)
         groups[group] = groups.get(group, 0.0) + held
     return FETCHES_IN_FLIGHT * max(groups.values(), default=0.0)
 

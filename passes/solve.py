@@ -127,15 +127,14 @@ class Solved:
     def memory(self) -> float:
         """Bytes per device of the chosen strategies, recomputation included (offloaded
         activations and states not: they are in ``host_memory``); offloaded parameters'
-        working copies in flight at the chosen layouts, where the memory row held a bound
-        (``parameter_transient``)."""
+        working copies in flight at the chosen layouts (``parameter_transient``)."""
         parts = self.parts
         total = sum(
             parts.problem.memory[d][k] for d, k in self.choice.items() if d in parts.problem.memory
         )
         if not self.cost.offload.activations:
             total += parts.edge_memory(self.choice)
-        total += self.transient() - parts.transient
+        total += self.transient()
         return total - self.recomputed_bytes()
 
     def transient(self) -> float:
