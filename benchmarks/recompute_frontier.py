@@ -26,7 +26,7 @@ from autopar_examples.models import build
 from autopar_plans import InfeasiblePlanError
 from benchmarks.render import save_figure
 
-LIMITS_GIB = [80, 40, 24, 16, 12, 10, 8, 7, 6, 5, 4, 3, 2, 1.5, 1]
+LIMITS_GIB = [80, 40, 24, 16, 12, 10, 8, 7, 6, 5, 4, 3, 2, 1.5, 1, 0.75, 0.5]
 
 
 def main() -> None:

@@ -482,8 +482,11 @@ def frontier(record: dict[str, Any] | None) -> str:
         "recomputes layers; offload (`docs/offload.md`) enters only where no sharding with "
         "recomputation fits: the optimizer's states and masters go to the host, and the step "
         "then waits for the CPU's AdamW step (at the node's host bandwidth shared by its 8 "
-        "devices) and the copies over PCIe; at the last row the saved activations go too. "
-        "Estimates (no GPU here).",
+        "devices) and the copies over PCIe; below that the saved activations go too, and the "
+        "working weights themselves (`parameters`: fetched per layer, one layer ahead, twice "
+        "a microbatch), chosen wherever they are the cheapest way to fit. Estimates (no GPU "
+        "here), solved under wall-clock time limits (issue 26): a row's choice between "
+        "policies within a few ms of each other can differ from run to run.",
     ]
     return "\n".join(lines)
 
