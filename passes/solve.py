@@ -660,12 +660,15 @@ def infeasible_error(
     if not solution.feasible:
         return no_plan_error()
     terms = {"parameters": 0.0, "gradients": 0.0, "optimizer states": 0.0, "activations": 0.0}
+    # offloaded activations are on the host (``Solved.host_memory``), not in the rows
+    on_device = 0.0 if built.cost.offload.activations else 1.0
     for name, k in solution.choice.items():
         params, grads, optimizer = parts.model_states[name][k]
         terms["parameters"] += params
         terms["gradients"] += grads
         terms["optimizer states"] += optimizer
-        terms["activations"] += parts.activations[name][k] - freed.get(name, [0.0] * (k + 1))[k]
+        kept = parts.activations[name][k] - freed.get(name, [0.0] * (k + 1))[k]
+        terms["activations"] += on_device * kept
     terms["parameters"] += parts.transient  # offloaded parameters' copies in flight
     need = sum(terms.values())
     dominant = max(terms, key=lambda t: terms[t])

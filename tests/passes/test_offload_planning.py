@@ -189,3 +189,13 @@ def test_parameter_offload_without_the_optimizers_is_refused_saying_what_to_do(g
         autopar.plan(model, mesh, inputs, offload=wanted, **OPTIONS)
     with pytest.raises(HintError, match=r"needs the optimizer offloaded too"):
         autopar.plan(model, mesh, inputs, hints={"offload": wanted}, **OPTIONS)
+
+
+def test_with_everything_offloaded_the_refusal_counts_no_activations_on_the_device(gpt):
+    model, inputs, mesh, _, floor = gpt
+    everything = {"optimizer": "on", "activations": "on", "parameters": "on"}
+    with pytest.raises(InfeasiblePlanError) as refused:
+        autopar.plan(model, mesh, inputs, memory_limit=0.01 * floor, offload=everything, **OPTIONS)
+    message = str(refused.value)
+    assert "activations dominate" not in message  # they are in host memory
+    assert "already offloaded to host memory" in message
