@@ -41,9 +41,10 @@ from autopar_cost_model.collectives import MeshCost
 from autopar_cost_model.compute import op_time
 from autopar_cost_model.reduction import step_bytes
 from autopar_cost_model.step import exposed_gradient_sync, prefetch_waits
-from autopar_passes.annotation import META_KEY
+from autopar_passes.annotation import META_KEY, NodeAnnotation
 from autopar_passes.costs import CostModel, bucket_copy_bytes, trailing_all_reduces, zero_copy_bytes
 from autopar_passes.from_plan import PlanLayouts
+from autopar_passes.lower_recompute import region_layers, region_nodes
 from autopar_passes.mixed_precision import (
     COMPUTE,
     LOW_PRECISION_OPS,
@@ -90,15 +91,22 @@ class Reshard:
     starts_local: bool = False  # a local step (slice, zero, pad) comes before any collective
     saved: bool = False  # a consumer keeps the result for backward
     savers: frozenset[str] = frozenset()  # the consumers that keep it (traced node names)
+    users: frozenset[str] = frozenset()  # every consumer (traced node names)
     skipped_adjoints: int = 0  # trailing output all-reduces whose adjoint is skipped
+    # inside a recompute region (``recompute_region_of``): made in the checkpoint (not
+    # kept, not grouped), and where the region's replay reaches it, made again in backward
+    in_region: bool = False
+    recomputed: bool = False
 
     @property
     def regathered(self) -> bool:
         """A parameter gathered (by gathers alone) for an op that keeps it: the runtime
-        drops the gathered copy and gathers it again in backward (``runtime.regather``)."""
+        drops the gathered copy and gathers it again in backward (``runtime.regather``);
+        inside a recompute region the region's replay gathers it instead."""
         return (
             self.param is not None
             and self.saved
+            and not self.in_region
             and bool(self.calls)
             and all(c.kind == "all_gather" for c in self.calls)
         )
@@ -210,6 +218,10 @@ class Ledger:
             for call in calls:
                 nbytes = call.elements * size
                 self.add("all_gather", call.axis, dtype, nbytes, "backward", f"{what} (regather)")
+        if reshard.recomputed:  # the region runs forward again in backward
+            for call in calls:
+                nbytes = call.elements * size
+                self.add(call.kind, call.axis, dtype, nbytes, "backward", f"{what} (recompute)")
 
 
 def step_ledger(traced: TracedModel, plan: Plan, *, batch_scale: float = 1.0) -> list[CommEntry]:
@@ -331,8 +343,12 @@ class Walk:
         self.cost = MeshCost(mesh)
         self.made: dict[tuple[str, Layout], Reshard | None] = {}
         self.reshards: list[Reshard] = []
+        self.regions: dict[str, RegionOps] = {}  # op -> its recompute region, once run
 
     def run(self) -> list[Reshard]:
+        # a recompute region's checkpoint keeps what its ops save (nothing is packed)
+        self.regions = regions = recompute_region_of(self.traced, self.plan)
+        order = {name: i for i, name in enumerate(self.nodes)}
         for node in self.traced.graph.nodes:
             note = node.meta[META_KEY]
             if node.op == "placeholder" or node.target is operator.getitem:
@@ -343,15 +359,25 @@ class Walk:
                 strategy = self.layouts.strategy(node.name)
                 for index, source in enumerate(tensor_inputs(node)):
                     made = self._value(source.producer, strategy.inputs[index])
+                    if made is not None:
+                        made.users = made.users | {node.name}
                     if (
                         made is not None
                         and index in note.saved_inputs
+                        and node.name not in regions
                         and not self._autocast_copy(made, note.op)
                     ):
                         made.saved = True
                         made.savers = made.savers | {node.name}
                 if len(strategy.outputs) == 1:
                     self.made[(node.name, strategy.outputs[0])] = None
+        for made in self.reshards:
+            made.in_region, made.recomputed = in_region(made.users, regions, order)
+            if not made.in_region and any(user in regions for user in made.users):
+                # a region's input: the checkpoint saves its inputs for the replay, through
+                # the hooks outside it (``torch.utils.checkpoint``'s non-reentrant form)
+                made.saved = True
+                made.savers = made.savers | {u for u in made.users if u in regions}
         return self.reshards
 
     def _outputs(self, node: torch.fx.Node) -> None:
@@ -429,6 +455,57 @@ class Walk:
         return self.autocast.get(producer) or _wire_dtype(self.plan, dtype)
 
 
+@dataclass(frozen=True)
+class RegionOps:
+    """The traced ops one recompute region (in one layer) wraps (``lower_recompute``)."""
+
+    ops: frozenset[str]
+    first: str  # its first op in graph order
+    # the graph position of its last op that keeps a tensor for backward: the replay stops
+    # there (``torch.utils.checkpoint``'s early stop, once every saved tensor is made again)
+    last_saver: int
+
+
+def recompute_region_of(traced: TracedModel, plan: Plan) -> dict[str, RegionOps]:
+    """Each op the plan's recompute regions wrap, and its region: what
+    ``autopar_passes.lower_recompute`` outlines (the named ops but those it keeps out)."""
+    order = {node.name: i for i, node in enumerate(traced.graph.nodes)}
+    found: dict[str, RegionOps] = {}
+    for region in plan.recompute:
+        for names in region_layers(region).values():
+            nodes = region_nodes(traced.graph, set(names))
+            savers = [order[n.name] for n in nodes if _keeps(n.meta[META_KEY])]
+            if nodes:
+                ops = frozenset(n.name for n in nodes)
+                wrapped = RegionOps(ops, nodes[0].name, max(savers, default=-1))
+                found.update(dict.fromkeys(wrapped.ops, wrapped))
+    return found
+
+
+def _keeps(note: NodeAnnotation) -> bool:
+    """Whether an op keeps a tensor for its backward (an input, or one it makes)."""
+    return bool(note.saved_inputs) or note.internal_saved_bytes > 0
+
+
+def in_region(
+    users: frozenset[str], regions: Mapping[str, RegionOps], order: Mapping[str, int]
+) -> tuple[bool, bool]:
+    """Whether a reshard its ``users`` read lies inside a recompute region, and whether the
+    region's replay runs it again. Inside: every user in one region, the first of them not
+    the region's first op (the lowering emits a reshard right before its first user, and a
+    region starts at its first op). Replayed: not after the region's last op that keeps a
+    tensor (where the replay stops)."""
+    if not users:
+        return False, False
+    first = min(users, key=order.__getitem__)
+    region = regions.get(first)
+    if region is None or first == region.first:
+        return False, False
+    if any(regions.get(user) is not region for user in users):
+        return False, False
+    return True, order[first] <= region.last_saver
+
+
 def _flat_nodes(value: object) -> Iterator[torch.fx.Node]:
     if isinstance(value, torch.fx.Node):
         yield value
@@ -462,6 +539,7 @@ def _fsdp_groups(
             and bool(reshard.calls)
             and reshard.calls[0].kind == "all_gather"
             and not reshard.starts_local
+            and not reshard.in_region  # a region's gathers stay in it, one by one
         )
         if not grouped:
             singles.append(reshard)
@@ -478,12 +556,11 @@ def _fsdp_groups(
     return groups, singles
 
 
-def regathered_params(traced: TracedModel, plan: Plan) -> set[str]:
-    """The parameters the runtime fetches again in backward for their gathers: those an
-    op keeps gathered (``Reshard.regathered``), and every member of an FSDP group one of
-    whose members is (the group is gathered again whole)."""
-    walk = Walk(traced, plan, plan.stage_mesh or plan.mesh, 1.0)
-    groups, singles = _fsdp_groups(traced, plan, walk.run(), walk.cast)
+def regathered_params(traced: TracedModel, plan: Plan, reshards: list[Reshard]) -> set[str]:
+    """The parameters the runtime fetches again in backward for their gathers (of a walk's
+    ``reshards``): those an op keeps gathered (``Reshard.regathered``), and every member of
+    an FSDP group one of whose members is (the group is gathered again whole)."""
+    groups, singles = _fsdp_groups(traced, plan, reshards, cast_for_gather(traced, plan.precision))
     found = {r.param for r in singles if r.regathered}
     for members in groups.values():
         if any(r.regathered for r in members):

@@ -45,7 +45,7 @@ def wrap_recompute(program: torch.fx.GraphModule, regions: Iterable[RecomputeReg
     for region in regions:
         per_layer = region_layers(region)
         for layer, names in per_layer.items():
-            nodes = _region_nodes(program.graph, set(names))
+            nodes = region_nodes(program.graph, set(names))
             if not nodes:
                 continue
             base = f"recompute_{_slug(region.kind)}_{layer}_{wrapped}"
@@ -80,7 +80,7 @@ def _slug(text: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in text)
 
 
-def _region_nodes(graph: torch.fx.Graph, names: set[str]) -> list[torch.fx.Node]:
+def region_nodes(graph: torch.fx.Graph, names: set[str]) -> list[torch.fx.Node]:
     """The region's nodes in graph order: the named ops but those that write into an input
     or read a tensor that is written, and the nodes made only for them."""
     # an op that writes into its input (a batch norm's running statistics) runs once, in
@@ -91,7 +91,11 @@ def _region_nodes(graph: torch.fx.Graph, names: set[str]) -> list[torch.fx.Node]
     writes = {n for n in graph.nodes if mutates_first_input(n.target)}
     kept_out = writes | _feeding_only(graph, writes)
     written = {w.args[0] for w in writes}
-    inside = {n for n in graph.nodes if n.name in names and n not in kept_out}
+    # ops only: a pipeline stage's input is a placeholder named after the op that made it
+    # on the stage before (the last op of a region there)
+    inside = {
+        n for n in graph.nodes if n.name in names and n.op == "call_function" and n not in kept_out
+    }
     if any(arg in written for n in inside for arg in n.all_input_nodes):
         return []
     if not inside:

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from autopar_cost_model.hardware import DevicePreset
 from autopar_cost_model.host import host_copy_time
 from autopar_cost_model.memory import microbatches_in_flight
-from autopar_passes.ledger import grad_dtype, itemsize, regathered_params, working_dtype
-from autopar_passes.lower_recompute import region_layers
+from autopar_passes.ledger import Walk, grad_dtype, itemsize, regathered_params, working_dtype
 from autopar_passes.lower_stages import stage_of_nodes
 from autopar_passes.mixed_precision import cast_for_gather
 from autopar_passes.pipeline.layer_costs import Part
@@ -83,19 +82,16 @@ def param_reads(
     traced: TracedModel, plan: Plan, nodes: Collection[str] | None
 ) -> dict[str, ParamReads]:
     """Per parameter the ops ``nodes`` (None: all) read, as the runtime fetches it: once in
-    forward where an op outside the recompute regions reads it (through views), and again
-    in backward where such an op saves it; once each way per recompute region (per layer)
-    that reads it, since the region fetches its own and its recomputation fetches again."""
+    forward where an op reads it (through views) in the program itself, and again in
+    backward where such an op outside the recompute regions keeps it (or its FSDP group is
+    gathered again); once each way per recompute region that takes it as it is (the region
+    fetches its own, its replay again), not a copy a reshard before the region made."""
+    walk = Walk(traced, plan, plan.stage_mesh or plan.mesh, 1.0)
+    reshards = walk.run()
     notes = traced.annotations()
     param_of = {n: name for name, info in traced.params.items() for n in info.nodes}
-    region_of = {
-        node: (region.name, layer)
-        for region in plan.recompute
-        for layer, names in region_layers(region).items()
-        for node in names
-    }
     root: dict[str, str] = {}
-    reads: dict[str, tuple[bool, bool, set[tuple[str, int]]]] = {}
+    reads: dict[str, tuple[bool, bool, set[int]]] = {}
     for node in traced.graph.nodes:
         note = notes[node.name]
         if note.alias_of is not None:  # a view reads nothing: its users read its base
@@ -108,14 +104,21 @@ def param_reads(
             if name is None:
                 continue
             top, saved, regions = reads.get(name, (False, False, set()))
-            where = region_of.get(node.name)
-            if where is None:
-                top, saved = True, saved or index in note.saved_inputs
+            region = walk.regions.get(node.name)
+            made = walk.made.get((source.producer, walk.layouts.strategy(node.name).inputs[index]))
+            as_it_is = source.producer in param_of or (
+                region is not None and source.producer in region.ops
+            )
+            if region is not None and as_it_is and (made is None or made.in_region):
+                regions = regions | {id(region)}
             else:
-                regions = regions | {where}
+                # a region's input made before it: its checkpoint saves that (the
+                # fetched weight, a view or a gather of it), which backward fetches again
+                top = True
+                saved = saved or (index in note.saved_inputs if region is None else True)
             reads[name] = (top, saved, regions)
     # a gathered parameter's group is fetched whole to be gathered again
-    regathered = regathered_params(traced, plan) if reads else set()
+    regathered = regathered_params(traced, plan, reshards) if reads else set()
     return {
         name: ParamReads(
             int(top) + len(regions), int(saved or (top and name in regathered)) + len(regions)

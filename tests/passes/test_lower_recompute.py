@@ -12,6 +12,7 @@ from autopar_passes.from_plan import PlanLayouts
 from autopar_passes.lower_recompute import Recompute, wrap_recompute
 from autopar_passes.lower_spmd import lower_spmd
 from autopar_passes.trace import trace
+from autopar_plans.plan import RecomputeRegion
 
 
 def one_device_program(name: str, limit_fraction: float):
@@ -97,3 +98,17 @@ def test_a_recomputed_batch_norm_updates_its_running_statistics_once():
         found = [value for key, value in state.items() if key.endswith(target) or key == name]
         assert found, name
         torch.testing.assert_close(found[0], buffer, rtol=1e-5, atol=1e-7)
+
+
+def test_a_pipeline_stage_input_named_after_a_region_op_stays_an_input():
+    """A later stage's input is a placeholder named after the op that made it on the stage
+    before (the last op of a recomputed layer there): it is not a region op to wrap."""
+    graph = torch.fx.Graph()
+    carried = graph.placeholder("add_4")  # the stage before's layer output
+    doubled = graph.call_function(torch.mul, (carried, 2.0))
+    graph.output(doubled)
+    program = torch.fx.GraphModule(nn.Module(), graph)
+    region = RecomputeRegion(name="layers[1] full", kind="full", nodes=("add_4",))
+    assert wrap_recompute(program, [region]) == 0
+    assert [n.op for n in program.graph.nodes] == ["placeholder", "call_function", "output"]
+    assert program(torch.ones(2)).tolist() == [2.0, 2.0]

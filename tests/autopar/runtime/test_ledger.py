@@ -48,6 +48,24 @@ CASES: dict[str, dict[str, Any]] = {
         "options": {"reduction_form": "hierarchical"},
     },
     "gpt/dp/bf16 sums": {"force": "dp", "microbatches": 4, "options": {"grad_compression": "bf16"}},
+    # recomputed layer 1 (a hint): the collectives inside its checkpoint run again in
+    # backward as far as the replay goes (up to the last op that keeps a tensor), its
+    # gathers are single, not the layer's group, and its inputs are saved for the replay
+    "gpt/tp/recompute": {
+        "force": "tp",
+        "microbatches": 2,
+        "options": {"hints": {"recompute": ["layers.1"]}},
+    },
+    "gpt/tp+sp/recompute": {
+        "force": "tp+sp",
+        "microbatches": 2,
+        "options": {"hints": {"recompute": ["layers.1"]}},
+    },
+    "gpt/fsdp/recompute": {
+        "force": "fsdp",
+        "microbatches": 2,
+        "options": {"hints": {"recompute": ["layers.1"]}},
+    },
     "gpt/dp/hierarchical/bf16_mixed": {
         "force": "dp",
         "microbatches": 4,
@@ -80,6 +98,14 @@ PIPELINE_CASES: dict[str, dict[str, Any]] = {
         "stages": 2,
         "microbatches": 4,
         "options": {"grad_compression": "powersgd"},
+    },
+    # a recomputed layer on a pipeline stage: its replay's collectives are its stage's
+    "gpt/pp/tp/recompute": {
+        "force": "tp",
+        "stages": 2,
+        "microbatches": 4,
+        "config": {"n_layer": 4},
+        "options": {"hints": {"recompute": ["layers.*"]}},
     },
     # four layers: two chunks of one layer per device, the last handing back to the first
     "gpt/pp/interleaved": {
