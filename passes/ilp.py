@@ -100,8 +100,9 @@ class RecomputeTerm:
     not which: ``n = sum_b 2^b r[b]`` in binary digits ``r[b]`` (7 binaries for 96 layers,
     where a binary per copy made the MIP take minutes). The memory it frees is
     ``n S(s)`` and the forward it adds ``n F(s)``, with ``S`` and ``F`` linear in the
-    choices (``saving``, ``forward``: decision -> per-choice coefficients; ``edge_saving``:
-    the resharded copies its consumers keep, linear in the edges' pair variables). Per
+    choices (``saving``, ``forward``: decision -> per-choice coefficients; ``edge_saving``,
+    ``edge_forward``: the resharded copies its consumers keep and the reshards its replay
+    makes again, linear in the edges' pair variables). Per
     digit, the products ``S(s) r[b]`` and ``F(s) r[b]`` are written part by part (a
     decision, or an edge), on the convex hull of each part's one-hot choice ``x`` (the
     choices, or an edge's pairs, grouped by equal ``(S, F)`` coefficients ``g``)::
@@ -129,6 +130,8 @@ class RecomputeTerm:
     forward: dict[str, list[float]]
     # index in ``IlpProblem.edges`` -> (p, q) -> bytes per device per copy
     edge_saving: dict[int, Matrix] = field(default_factory=dict)
+    # the same -> (p, q) -> forward seconds per copy: the reshards its replay makes again
+    edge_forward: dict[int, Matrix] = field(default_factory=dict)
     weight: float = 1.0  # microbatches per step: the forward runs again for each
     forced: bool | None = None  # True: recompute every copy; False: none
 
@@ -561,10 +564,11 @@ def _recompute_parts(
             key = (saving[k] / GIB if saving else 0.0, forward[k] if forward else 0.0)
             _add_member(groups, key, member)
         parts.append(groups)
-    for e, matrix in sorted(term.edge_saving.items()):
+    for e in sorted(term.edge_saving.keys() | term.edge_forward.keys()):
+        saved, seconds = term.edge_saving.get(e, {}), term.edge_forward.get(e, {})
         groups = {}
         for pq, member in pairs[e].items():
-            _add_member(groups, (matrix.get(pq, 0.0) / GIB, 0.0), member)
+            _add_member(groups, (saved.get(pq, 0.0) / GIB, seconds.get(pq, 0.0)), member)
         parts.append(groups)
     return parts
 

@@ -39,23 +39,25 @@ from autopar_plans.placement import Layout
 
 
 @dataclass(frozen=True)
-class KeptCopy:
-    """A resharded copy of an activation that its consumer's backward keeps instead of the
-    tensor: ``bytes`` per class pair (consumer's copy less the producer's tensor), for one
-    layer copy. ``edge`` is its index in ``IlpProblem.edges``, or None when producer and
-    consumer are one decision (then the pair is ``(left_class[k], right_class[k])``)."""
+class PairTerm:
+    """A quantity of one reshard per class pair of its edge, for one layer copy: the bytes
+    of the resharded copy a consumer's backward keeps instead of the tensor (consumer's
+    copy less the producer's tensor, ``kept_copies``), or the seconds the reshard takes
+    forward (``reshard_forward``). ``edge`` is its index in ``IlpProblem.edges``, or None
+    when producer and consumer are one decision (then the pair is ``(left_class[k],
+    right_class[k])``)."""
 
     edge: int | None
     left: str
     right: str
     left_class: tuple[int, ...]
     right_class: tuple[int, ...]
-    bytes: Matrix
+    values: Matrix
 
     def at(self, choice: dict[str, int]) -> float:
-        """Bytes per device under ``choice``."""
+        """The quantity under ``choice``."""
         pair = (self.left_class[choice[self.left]], self.right_class[choice[self.right]])
-        return self.bytes.get(pair, 0.0)
+        return self.values.get(pair, 0.0)
 
 
 @dataclass
@@ -98,7 +100,11 @@ class ProblemParts:
     self_memory: dict[str, list[float]] = field(default_factory=dict)
     # (producer, output, consumer, input) of representatives -> the resharded copy that
     # consumer keeps for backward, per layer copy (what recomputing the consumer frees)
-    kept_copies: dict[tuple[str, int, str, int], KeptCopy] = field(default_factory=dict)
+    kept_copies: dict[tuple[str, int, str, int], PairTerm] = field(default_factory=dict)
+    # the same keys -> the reshard's forward seconds per layer copy, where a recompute
+    # region's replay would make it again (not a kept weight's gather: the replay's
+    # gather stands for the regather its edge already pays)
+    reshard_forward: dict[tuple[str, int, str, int], PairTerm] = field(default_factory=dict)
     # (FSDP group, mesh axes) -> the fixed cost of its calls, once a microbatch
     group_calls: dict[CallKey, GroupCall] = field(default_factory=dict)
     # bucket key and axis -> its first call's fixed cost, once a sync (``costs.SyncCall``)
@@ -181,6 +187,7 @@ def build_problem(
         parts.self_edge = {name: list(row) for name, row in edges_of.self_edge.items()}
         parts.self_memory = {name: list(row) for name, row in edges_of.self_memory.items()}
         parts.kept_copies = dict(edges_of.kept_copies)
+        parts.reshard_forward = dict(edges_of.reshard_forward)
         parts.group_calls = dict(edges_of.group_calls)
         parts.prefetch = dict(edges_of.prefetch)
         parts.prefetchable = dict(edges_of.prefetchable)
@@ -404,14 +411,24 @@ def _edge_costs(
                     )
                 if casts:  # autocast's 16-bit copy of the weight, kept by the consumer
                     cast_m[(p, q)] = times * cost.weight_cast_bytes(info, src, dst, producer)
+        edge_index = None if left == right else len(parts.edge_terms)
         if memory_m:
-            parts.kept_copies[key] = KeptCopy(
-                None if left == right else len(parts.edge_terms),
+            parts.kept_copies[key] = PairTerm(
+                edge_index,
                 left,
                 right,
                 left_class,
                 right_class,
                 {pq: value / times for pq, value in memory_m.items()},
+            )
+        if fwd_m and not regathered:
+            parts.reshard_forward[key] = PairTerm(
+                edge_index,
+                left,
+                right,
+                left_class,
+                right_class,
+                {pq: value / times for pq, value in fwd_m.items()},
             )
         # (not a kept copy: recompute's accounting of what a region frees leaves it out)
         for pq, value in cast_m.items():

@@ -39,7 +39,7 @@ from autopar_passes.annotation import META_KEY
 from autopar_passes.costs import CostModel
 from autopar_passes.decisions import Decisions
 from autopar_passes.ilp import Matrix, RecomputeBudget, RecomputeTerm
-from autopar_passes.problem import KeptCopy
+from autopar_passes.problem import PairTerm
 from autopar_plans.errors import HintError
 
 # element-wise ops that make wide activations cheaply
@@ -78,8 +78,10 @@ class Region:
     copies: dict[int, tuple[str, ...]]  # layer index -> the same nodes in that layer
     saving: dict[str, list[float]] = field(default_factory=dict)  # decision -> per choice
     forward: dict[str, list[float]] = field(default_factory=dict)
-    # resharded copies its consumers keep between two decisions (``problem.KeptCopy``)
-    kept: list[KeptCopy] = field(default_factory=list)
+    # resharded copies its consumers keep between two decisions (``problem.PairTerm``)
+    kept: list[PairTerm] = field(default_factory=list)
+    # the reshards between two decisions its replay makes again (forward seconds)
+    replayed: list[PairTerm] = field(default_factory=list)
     saving_bound: float = 0.0
     forced: bool | None = None  # a hint's: True recompute every copy, False none
 
@@ -90,7 +92,8 @@ class Region:
 
     def forward_at(self, choice: dict[str, int]) -> float:
         """Forward seconds one recomputed copy adds under ``choice``."""
-        return sum(row[choice[d]] for d, row in self.forward.items())
+        nodes = sum(row[choice[d]] for d, row in self.forward.items())
+        return nodes + sum(term.at(choice) for term in self.replayed)
 
 
 def find_regions(
@@ -98,10 +101,12 @@ def find_regions(
     decisions: Decisions,
     cost: CostModel,
     representatives: dict[str, str],
-    kept_copies: dict[tuple[str, int, str, int], KeptCopy],
+    kept_copies: dict[tuple[str, int, str, int], PairTerm],
+    reshard_forward: dict[tuple[str, int, str, int], PairTerm],
 ) -> list[Region]:
     """The recompute candidates of every repeated layer class, with their coefficients.
-    ``kept_copies``: the resharded copies consumers keep (``ProblemParts.kept_copies``)."""
+    ``kept_copies``: the resharded copies consumers keep (``ProblemParts.kept_copies``);
+    ``reshard_forward``: the reshards' forward seconds (``ProblemParts.reshard_forward``)."""
     layer_nodes: dict[int, list[torch.fx.Node]] = defaultdict(list)
     for node in graph.nodes:
         note = node.meta[META_KEY]
@@ -133,6 +138,7 @@ def find_regions(
                 region.copies[layer] = tuple(others[by_position[n.name]].name for n in members)
             _coefficients(region, members, decisions, cost, savers)
             _kept_copies(region, members, decisions, representatives, kept_copies)
+            _replayed(region, members, decisions, representatives, reshard_forward)
             if region.saving_bound > 0:
                 regions.append(region)
     return regions
@@ -252,7 +258,7 @@ def _kept_copies(
     members: list[torch.fx.Node],
     decisions: Decisions,
     representatives: dict[str, str],
-    kept_copies: dict[tuple[str, int, str, int], KeptCopy],
+    kept_copies: dict[tuple[str, int, str, int], PairTerm],
 ) -> None:
     """Add the resharded copies the region's ops keep, then bound the saving.
 
@@ -262,6 +268,49 @@ def _kept_copies(
     that difference as well. Counting only the tensor would free its bytes twice when the
     copy is smaller (a replicated output split for a matmul that keeps it), and let the
     solver buy memory that does not exist."""
+    for copy in _reshard_terms(members, decisions, representatives, kept_copies):
+        if copy.edge is not None:
+            region.kept.append(copy)
+        else:
+            _add_own(region.saving, copy)
+    region.saving_bound = sum(max(v) for v in region.saving.values()) + sum(
+        max(0.0, *copy.values.values()) for copy in region.kept
+    )
+
+
+def _replayed(
+    region: Region,
+    members: list[torch.fx.Node],
+    decisions: Decisions,
+    representatives: dict[str, str],
+    reshard_forward: dict[tuple[str, int, str, int], PairTerm],
+) -> None:
+    """Add the reshards the region's replay makes again to its forward time: those of its
+    ops after the first (a reshard for the first op is made before the checkpoint, its
+    input) up to the last op that keeps a tensor, where ``torch.utils.checkpoint`` stops
+    replaying (the ledger's rule, ``autopar_passes.ledger.in_region``)."""
+    keeping = [i for i, node in enumerate(members) if _keeps(node)]
+    replayed = members[1 : keeping[-1] + 1] if keeping else []
+    for term in _reshard_terms(replayed, decisions, representatives, reshard_forward):
+        if term.edge is not None:
+            region.replayed.append(term)
+        else:
+            _add_own(region.forward, term)
+
+
+def _keeps(node: torch.fx.Node) -> bool:
+    note = node.meta[META_KEY]
+    return bool(note.saved_inputs) or note.internal_saved_bytes > 0
+
+
+def _reshard_terms(
+    members: list[torch.fx.Node],
+    decisions: Decisions,
+    representatives: dict[str, str],
+    terms: dict[tuple[str, int, str, int], PairTerm],
+) -> list[PairTerm]:
+    """The terms of the reshards into ``members``' inputs (by representative keys)."""
+    found = []
     for node in members:
         binding = decisions.bindings.get(node.name)
         if binding is None or binding.source is not None or binding.mapping is not None:
@@ -273,18 +322,17 @@ def _kept_copies(
                 representatives.get(node.name, node.name),
                 i,
             )
-            copy = kept_copies.get(key)
-            if copy is None:
-                continue
-            if copy.edge is not None:
-                region.kept.append(copy)
-                continue
-            row = region.saving.setdefault(copy.left, [0.0] * len(copy.left_class))
-            for k, pair in enumerate(zip(copy.left_class, copy.right_class, strict=True)):
-                row[k] += copy.bytes.get(pair, 0.0)
-    region.saving_bound = sum(max(v) for v in region.saving.values()) + sum(
-        max(0.0, *copy.bytes.values()) for copy in region.kept
-    )
+            term = terms.get(key)
+            if term is not None:
+                found.append(term)
+    return found
+
+
+def _add_own(rows: dict[str, list[float]], term: PairTerm) -> None:
+    """A term between choices of one decision, as that decision's per-choice row."""
+    row = rows.setdefault(term.left, [0.0] * len(term.left_class))
+    for k, pair in enumerate(zip(term.left_class, term.right_class, strict=True)):
+        row[k] += term.values.get(pair, 0.0)
 
 
 def _leaves_unkept(members: list[torch.fx.Node], savers: dict[str, set[str]]) -> bool:
@@ -352,7 +400,8 @@ def recompute_terms(regions: list[Region], microbatches: int) -> list[RecomputeT
             copies=len(r.copies),
             saving=r.saving,
             forward=r.forward,
-            edge_saving=_edge_saving(r.kept),
+            edge_saving=_by_edge(r.kept),
+            edge_forward=_by_edge(r.replayed),
             weight=float(microbatches),
             forced=r.forced,
         )
@@ -360,13 +409,13 @@ def recompute_terms(regions: list[Region], microbatches: int) -> list[RecomputeT
     ]
 
 
-def _edge_saving(kept: list[KeptCopy]) -> dict[int, Matrix]:
-    """The copies' bytes by edge (two copies on one edge: two inputs of one op)."""
+def _by_edge(terms: list[PairTerm]) -> dict[int, Matrix]:
+    """The terms' values summed by edge (two on one edge: two inputs of one op)."""
     by_edge: dict[int, Matrix] = {}
-    for copy in kept:
-        assert copy.edge is not None
-        matrix = by_edge.setdefault(copy.edge, {})
-        for pair, value in copy.bytes.items():
+    for term in terms:
+        assert term.edge is not None
+        matrix = by_edge.setdefault(term.edge, {})
+        for pair, value in term.values.items():
             matrix[pair] = matrix.get(pair, 0.0) + value
     return by_edge
 

@@ -301,7 +301,14 @@ def _solve(
             built_edges.append((cost, parts))
         # offloaded activations leave nothing on the device for recomputation to free
         regions = (
-            find_regions(traced.graph, decisions, cost, representatives, parts.kept_copies)
+            find_regions(
+                traced.graph,
+                decisions,
+                cost,
+                representatives,
+                parts.kept_copies,
+                parts.reshard_forward,
+            )
             if (limit is not None or request.recompute_hints) and not offload.activations
             else []
         )

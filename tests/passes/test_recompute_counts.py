@@ -435,3 +435,27 @@ def test_a_fraction_of_a_recomputed_copy_frees_that_fraction_of_its_own_saving(c
         result = model.solve(time_limit=10.0)
         assert result.value(saving) == pytest.approx(expected)  # GiB
         assert result.value(forward) == pytest.approx(0.5 * [6.4, 0.1][chosen])
+
+
+@pytest.mark.parametrize("style", ["tp", "tp+sp"])
+def test_a_recomputed_layer_is_priced_with_the_collectives_its_replay_runs_again(style):
+    """A tensor-parallel layer's replay runs its all-reduces (reduce-scatters and gathers
+    under sequence parallelism) again: the ledger counts them in backward, and the region's
+    price (``RecomputeRegion.recompute_s``, what the ILP weighed) includes their time."""
+    model, inputs = build("llama-tiny", device="meta", batch_size=4)
+    plan = autopar.plan(
+        model,
+        autopar.Mesh((2,), device="h100-sxm"),
+        inputs,
+        force=style,
+        stages=1,
+        microbatches=1,
+        hints={"recompute": ["layers.*"]},
+    )
+    replayed = [e for e in plan.estimate.comm if e.what.endswith("(recompute)")]
+    assert replayed and all(e.phase == "backward" for e in replayed)
+    priced = sum(region.recompute_s for region in plan.recompute)
+    communication = sum(e.time_s for e in replayed)
+    assert priced >= communication
+    # the rest is the regions' own ops: a fraction of a microsecond at this size on an H100
+    assert priced - communication < 0.1 * communication
