@@ -99,17 +99,21 @@ class Reshard:
     recomputed: bool = False
 
     @property
+    def gathers_parameter(self) -> bool:
+        """A parameter gathered by gathers alone (FSDP's unshard)."""
+        return (
+            self.param is not None
+            and not self.starts_local
+            and bool(self.calls)
+            and all(c.kind == "all_gather" for c in self.calls)
+        )
+
+    @property
     def regathered(self) -> bool:
         """A parameter gathered (by gathers alone) for an op that keeps it: the runtime
         drops the gathered copy and gathers it again in backward (``runtime.regather``);
         inside a recompute region the region's replay gathers it instead."""
-        return (
-            self.param is not None
-            and self.saved
-            and not self.in_region
-            and bool(self.calls)
-            and all(c.kind == "all_gather" for c in self.calls)
-        )
+        return self.gathers_parameter and self.saved and not self.in_region
 
 
 class Ledger:
@@ -372,7 +376,9 @@ class Walk:
                 if len(strategy.outputs) == 1:
                     self.made[(node.name, strategy.outputs[0])] = None
         for made in self.reshards:
-            made.in_region, made.recomputed = in_region(made.users, regions, order)
+            made.in_region, made.recomputed = in_region(
+                made.users, regions, order, made.gathers_parameter
+            )
             if not made.in_region and any(user in regions for user in made.users):
                 # a region's input: the checkpoint saves its inputs for the replay, through
                 # the hooks outside it (``torch.utils.checkpoint``'s non-reentrant form)
@@ -488,14 +494,17 @@ def _keeps(note: NodeAnnotation) -> bool:
 
 
 def in_region(
-    users: frozenset[str], regions: Mapping[str, RegionOps], order: Mapping[str, int]
+    users: frozenset[str],
+    regions: Mapping[str, RegionOps],
+    order: Mapping[str, int],
+    gathers_parameter: bool = False,
 ) -> tuple[bool, bool]:
     """Whether a reshard its ``users`` read lies inside a recompute region, and whether the
     region's replay runs it again. Inside: every user in one region, the first of them not
     the region's first op (the lowering emits a reshard right before its first user, and a
     region starts at its first op). Replayed: not after the region's last op that keeps a
     tensor (where the replay stops)."""
-    if not users:
+    if not users or gathers_parameter:  # FSDP's gathers stay outside (lower_recompute)
         return False, False
     first = min(users, key=order.__getitem__)
     region = regions.get(first)

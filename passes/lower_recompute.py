@@ -9,7 +9,8 @@ so dropout draws the same masks the second time; collectives inside a region run
 backward, in the same order on every rank.
 
 A region's nodes are the traced ops the plan names plus what the lowering added for them
-only (reshards, collectives, local steps whose every user is in the region).
+only (reshards, collectives, local steps whose every user is in the region), but the
+all-gathers of parameters, which stay outside with their layer's group.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def region_nodes(graph: torch.fx.Graph, names: set[str]) -> list[torch.fx.Node]:
         for node in reversed(list(graph.nodes)):
             if node in inside or node.op not in ("call_function", "call_module"):
                 continue
-            if node.name in names or node in kept_out:
+            if node.name in names or node in kept_out or _gathers_parameter(node):
                 continue
             if (
                 node.users
@@ -127,6 +128,35 @@ def _feeding_only(graph: torch.fx.Graph, writes: set[torch.fx.Node]) -> set[torc
         if node.users and all(user in writes or user in feeding for user in node.users):
             feeding.add(node)
     return feeding
+
+
+def _hoist(graph: torch.fx.Graph, inputs: list[torch.fx.Node], start: torch.fx.Node) -> None:
+    """Move the region's inputs made after its start (its parameters' gathers, emitted
+    before their users inside it), with what they read, to just before the start."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    late: set[torch.fx.Node] = set()
+    pending = [arg for arg in inputs if order[arg] > order[start]]
+    while pending:
+        node = pending.pop()
+        if node not in late:
+            late.add(node)
+            pending += [arg for arg in node.all_input_nodes if order[arg] > order[start]]
+    for node in sorted(late, key=order.__getitem__):
+        start.prepend(node)
+
+
+def _gathers_parameter(node: torch.fx.Node) -> bool:
+    """An all-gather of a parameter's shard (or of such a gather): it stays outside the
+    region, as FSDP2 unshards a block before its checkpointed forward. The layer's group
+    gathers it with the others, prefetched (``runtime.param_groups``), and the checkpoint
+    saves the gathered weight as an input through the hooks outside it, which keep a
+    recipe and gather it again in backward (``runtime.regather``), not the weight."""
+    if node.op != "call_module" or not str(node.target).startswith("all_gather"):
+        return False
+    source = node.args[0] if node.args else None
+    return isinstance(source, torch.fx.Node) and (
+        source.op == "get_attr" or _gathers_parameter(source)
+    )
 
 
 def _is_traced_op(node: torch.fx.Node) -> bool:
@@ -153,6 +183,7 @@ def _outline(program: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: st
     module = torch.fx.GraphModule(program, body)  # takes the submodules the nodes call
     program.add_submodule(name, Recompute(module))
     graph = program.graph
+    _hoist(graph, inputs, nodes[0])
     with graph.inserting_before(nodes[0]):
         call = graph.call_module(name, tuple(inputs))
     if len(outputs) == 1:

@@ -102,8 +102,8 @@ class ProblemParts:
     # consumer keeps for backward, per layer copy (what recomputing the consumer frees)
     kept_copies: dict[tuple[str, int, str, int], PairTerm] = field(default_factory=dict)
     # the same keys -> the reshard's forward seconds per layer copy, where a recompute
-    # region's replay would make it again (not a kept weight's gather: the replay's
-    # gather stands for the regather its edge already pays)
+    # region's replay would make it again (not a parameter's: FSDP's gathers stay outside
+    # the regions, ``lower_recompute``)
     reshard_forward: dict[tuple[str, int, str, int], PairTerm] = field(default_factory=dict)
     # (FSDP group, mesh axes) -> the fixed cost of its calls, once a microbatch
     group_calls: dict[CallKey, GroupCall] = field(default_factory=dict)
@@ -421,7 +421,7 @@ def _edge_costs(
                 right_class,
                 {pq: value / times for pq, value in memory_m.items()},
             )
-        if fwd_m and not regathered:
+        if fwd_m and decisions.choices[producer].kind != "param":
             parts.reshard_forward[key] = PairTerm(
                 edge_index,
                 left,
