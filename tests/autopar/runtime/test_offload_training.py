@@ -34,7 +34,7 @@ from tests.autopar.runtime.offload_cases import offload_runs
 pytestmark = pytest.mark.multirank
 
 CASES: dict[str, dict[str, Any]] = {
-    "dp/optimizer": {"force": "dp", "offload": "optimizer", "checkpoint": True},
+    "dp/optimizer": {"force": "dp", "offload": "optimizer"},
     "fsdp/optimizer": {"force": "fsdp", "offload": "optimizer", "checkpoint": True},
     "dp/zero1/bf16_mixed/optimizer": {
         "force": "dp",
