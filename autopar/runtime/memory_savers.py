@@ -63,7 +63,8 @@ def install(
     fetches: list[FetchParams] = []
     for program in programs:
         wrap_recompute(program, plan.recompute)
-        # after the regions: a region's own gathers stay in it (run again in backward)
+        # after the regions, which leave parameters' gathers outside (grouped here, their
+        # outputs the checkpoint's inputs); a region's other reshards run again in backward
         group_param_gathers(program, param_layers, cast, check_precision(plan.precision).compute)
         if fetched is not None:  # after the groups: a group gathers what a fetch made
             mine = fetch_params(program, fetched.pieces, param_layers, fetched.uplink)

@@ -376,8 +376,9 @@ def group_param_gathers(
     returns how many groups were made.
 
     ``layer_of`` maps the ``get_attr`` target of each parameter that may be grouped to its
-    layer in the layer container (None: outside the layers). Gathers inside submodules
-    (recompute regions) are left alone: they run again in backward with their region.
+    layer in the layer container (None: outside the layers). Recompute regions leave
+    parameters' gathers outside them (``autopar_passes.lower_recompute``), so a recomputed
+    layer's are grouped like any other's.
     The parameters in ``cast`` are gathered in ``compute`` (``autopar_passes.mixed_precision``),
     in groups of their own.
     """
