@@ -487,7 +487,10 @@ def _call_planner(
     if copied is None:
         return None
     kept = {key: options[key] for key in KEPT_OPTIONS if options.get(key) is not None}
-    kept.update(precision=chosen.precision, zero=zero_stage(chosen))
+    # the parameters are held as the first plan holds them: the same ZeRO stage, and the
+    # same offload (a master on the host, a working copy fetched or held)
+    offload = {kind: "on" if on else "off" for kind, on in chosen.offload.model_dump().items()}
+    kept.update(precision=chosen.precision, zero=zero_stage(chosen), offload=offload)
     return CallPlanner(copied, mesh, kept, pinned_layouts(traced, chosen))
 
 

@@ -151,6 +151,8 @@ def call_shapes(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict
         torch.manual_seed(0)
         model, (tokens,) = build("gpt-tiny", batch_size=4, **case.get("config", {}))
         options = {"force": case.get("force"), "zero": case.get("zero")}
+        if case.get("offload"):
+            options["hints"] = {"offload": case["offload"]}
         compiled, result = CASES[case["kind"]](model, tokens, options)
         result["case"] = case
         result["plans"] = [
@@ -158,6 +160,7 @@ def call_shapes(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict
                 "parallelism": str(plan.parallelism),
                 "params": {n: (str(p.param), str(p.optimizer)) for n, p in plan.params.items()},
                 "batch": plan.global_batch,
+                "offload": plan.offload.kinds,
             }
             for plan in compiled.call_plans
         ]

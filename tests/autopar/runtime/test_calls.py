@@ -21,6 +21,9 @@ CASES: dict[str, dict[str, Any]] = {
     "forward/dp+zero1": {"kind": "forward", "force": "dp", "zero": 1},
     "forward/fsdp": {"kind": "forward", "force": "fsdp"},
     "forward/tp+sp": {"kind": "forward", "force": "tp+sp"},
+    # every parameter a master on the host, its working copy fetched per layer: a call of
+    # another shape holds them the same way (it read views that do not exist before)
+    "forward/fsdp+offload": {"kind": "forward", "force": "fsdp", "offload": "parameters"},
     "train_step/free": {"kind": "train_step"},
     "train_step/fsdp": {"kind": "train_step", "force": "fsdp"},
     "eval/dropout": {"kind": "eval", "config": {"dropout": 0.5}},
@@ -69,8 +72,11 @@ def test_every_call_keeps_the_parameters_where_they_are_stored(results, case):
     # forward: the traced call and three others; train_step: the traced microbatch and the
     # partial batch's last microbatch (of 2); eval: the traced call in eval mode
     assert len(plans) == {"forward": 4, "train_step": 2, "eval": 2}[CASES[case]["kind"]]
+    if CASES[case].get("offload"):
+        assert plans[0]["offload"] == ("optimizer", "parameters")
     for plan in plans[1:]:
         assert plan["params"] == plans[0]["params"], plan["parallelism"]
+        assert plan["offload"] == plans[0]["offload"]  # held on the host alike
     assert [plan["batch"] for plan in plans[1:]] == {
         "forward": [3, 4, 2],
         "train_step": [2],
