@@ -77,6 +77,12 @@ class NodeAnnotation:
     requires_grad: bool = False
 
     @property
+    def keeps_tensor(self) -> bool:
+        """Whether the op keeps a tensor for its backward (an input, or one it makes): where
+        ``torch.utils.checkpoint``'s replay of a region may stop."""
+        return bool(self.saved_inputs) or self.internal_saved_bytes > 0
+
+    @property
     def shape(self) -> tuple[int, ...] | None:
         """The output shape when the node has exactly one tensor output."""
         return self.outputs[0].shape if len(self.outputs) == 1 else None

@@ -41,7 +41,7 @@ from autopar_cost_model.collectives import MeshCost
 from autopar_cost_model.compute import op_time
 from autopar_cost_model.reduction import step_bytes
 from autopar_cost_model.step import exposed_gradient_sync, prefetch_waits
-from autopar_passes.annotation import META_KEY, NodeAnnotation
+from autopar_passes.annotation import META_KEY
 from autopar_passes.costs import CostModel, bucket_copy_bytes, trailing_all_reduces, zero_copy_bytes
 from autopar_passes.from_plan import PlanLayouts
 from autopar_passes.lower_recompute import region_layers, region_nodes
@@ -480,17 +480,12 @@ def recompute_region_of(traced: TracedModel, plan: Plan) -> dict[str, RegionOps]
     for region in plan.recompute:
         for names in region_layers(region).values():
             nodes = region_nodes(traced.graph, set(names))
-            savers = [order[n.name] for n in nodes if _keeps(n.meta[META_KEY])]
+            savers = [order[n.name] for n in nodes if n.meta[META_KEY].keeps_tensor]
             if nodes:
                 ops = frozenset(n.name for n in nodes)
                 wrapped = RegionOps(ops, nodes[0].name, max(savers, default=-1))
                 found.update(dict.fromkeys(wrapped.ops, wrapped))
     return found
-
-
-def _keeps(note: NodeAnnotation) -> bool:
-    """Whether an op keeps a tensor for its backward (an input, or one it makes)."""
-    return bool(note.saved_inputs) or note.internal_saved_bytes > 0
 
 
 def in_region(

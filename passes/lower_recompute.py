@@ -50,7 +50,7 @@ def wrap_recompute(program: torch.fx.GraphModule, regions: Iterable[RecomputeReg
             if not nodes:
                 continue
             base = f"recompute_{_slug(region.kind)}_{layer}_{wrapped}"
-            _outline(program, nodes, _free_name(program, base))
+            _outline(program, nodes, free_name(program, base))
             wrapped += 1
     if wrapped:
         program.graph.lint()
@@ -68,7 +68,7 @@ def region_layers(region: RecomputeRegion) -> dict[int, list[str]]:
     }
 
 
-def _free_name(program: torch.fx.GraphModule, base: str) -> str:
+def free_name(program: torch.nn.Module, base: str) -> str:
     """``base``, or ``base_2``, ...: unique in the module tree, which the programs of one
     rank share (pipeline stages, and the programs of other call shapes)."""
     name, suffix = base, 2

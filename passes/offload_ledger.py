@@ -79,15 +79,14 @@ class ParamReads:
 
 
 def param_reads(
-    traced: TracedModel, plan: Plan, nodes: Collection[str] | None
+    traced: TracedModel, plan: Plan, walk: Walk, nodes: Collection[str] | None
 ) -> dict[str, ParamReads]:
     """Per parameter the ops ``nodes`` (None: all) read, as the runtime fetches it: once in
     forward where an op reads it (through views) in the program itself, and again in
     backward where such an op outside the recompute regions keeps it (or its FSDP group is
     gathered again); once each way per recompute region that takes it as it is (the region
-    fetches its own, its replay again), not a copy a reshard before the region made."""
-    walk = Walk(traced, plan, plan.stage_mesh or plan.mesh, 1.0)
-    reshards = walk.run()
+    fetches its own, its replay again), not a copy a reshard before the region made.
+    ``walk``: the plan's, run (its reshards and recompute regions)."""
     notes = traced.annotations()
     param_of = {n: name for name, info in traced.params.items() for n in info.nodes}
     root: dict[str, str] = {}
@@ -118,7 +117,7 @@ def param_reads(
                 saved = saved or (index in note.saved_inputs if region is None else True)
             reads[name] = (top, saved, regions)
     # a gathered parameter's group is fetched whole to be gathered again
-    regathered = regathered_params(traced, plan, reshards) if reads else set()
+    regathered = regathered_params(traced, plan, walk.reshards) if reads else set()
     return {
         name: ParamReads(
             int(top) + len(regions), int(saved or (top and name in regathered)) + len(regions)
@@ -199,6 +198,7 @@ def stage_host(
         node: stage % par.pp
         for node, stage in (stage_of_nodes(traced, plan) if par.pp > 1 else {}).items()
     }
+    walk: Walk | None = None  # the plan's reshards, walked once for every stage
     for index, parts in enumerate(stages):
         schedule = par.schedule if par.pp > 1 else "none"
         flight = microbatches_in_flight(schedule, par.pp, index, par.microbatches, par.chunks)
@@ -211,7 +211,10 @@ def stage_host(
             mine += optimizer_copies(plan, list(states), cast, preset)
         if plan.offload.parameters:
             nodes = None if par.pp == 1 else {n for n, s in stage_of.items() if s == index}
-            reads = param_reads(traced, plan, nodes)
+            if walk is None:
+                walk = Walk(traced, plan, plan.stage_mesh or plan.mesh, 1.0)
+                walk.run()
+            reads = param_reads(traced, plan, walk, nodes)
             # prefetched per layer: what the layers' compute does not hide (``Part.fetch_s``)
             fetch_waits = par.microbatches * sum(p.fetch_s for p in parts)
             mine += parameter_copies(plan, reads, cast, preset, fetch_waits)

@@ -289,18 +289,13 @@ def _replayed(
     ops after the first (a reshard for the first op is made before the checkpoint, its
     input) up to the last op that keeps a tensor, where ``torch.utils.checkpoint`` stops
     replaying (the ledger's rule, ``autopar_passes.ledger.in_region``)."""
-    keeping = [i for i, node in enumerate(members) if _keeps(node)]
+    keeping = [i for i, node in enumerate(members) if node.meta[META_KEY].keeps_tensor]
     replayed = members[1 : keeping[-1] + 1] if keeping else []
     for term in _reshard_terms(replayed, decisions, representatives, reshard_forward):
         if term.edge is not None:
             region.replayed.append(term)
         else:
             _add_own(region.forward, term)
-
-
-def _keeps(node: torch.fx.Node) -> bool:
-    note = node.meta[META_KEY]
-    return bool(note.saved_inputs) or note.internal_saved_bytes > 0
 
 
 def _reshard_terms(

@@ -44,7 +44,7 @@ from torch import fx, nn
 
 from autopar.runtime.offload import HostLog, Transfer, device_copy
 from autopar.runtime.param_groups import GatherParams
-from autopar_passes.lower_recompute import Recompute
+from autopar_passes.lower_recompute import Recompute, free_name
 
 PURPOSE = "parameters"
 HostPiece = Callable[[], torch.Tensor]  # a parameter's working copy in host memory, now
@@ -326,7 +326,7 @@ def _fetch_group(
     first = min((u for m in members for u in _outside_regions(m, program)), key=order.__getitem__)
     targets = [str(m.target) for m in members]
     fetch = FetchParams([pieces[t] for t in targets], uplink, targets)
-    name = _free_name(program, base)
+    name = free_name(program, base)
     program.add_submodule(name, fetch)
     with graph.inserting_before(first):
         call = graph.call_module(name, tuple(members))
@@ -359,7 +359,7 @@ def _fetch_in_region(
     members = [placeholders[i] for i in positions]
     targets = [str(call.args[i].target) for i in positions]  # type: ignore[union-attr]
     fetch = FetchParams([pieces[t] for t in targets], uplink, targets)
-    name = _free_name(body, "fetch_params")
+    name = free_name(body, "fetch_params")
     body.add_submodule(name, fetch)
     graph = body.graph
     with graph.inserting_after(placeholders[-1]):
@@ -373,10 +373,3 @@ def _fetch_in_region(
             user.replace_input_with(member, item)
     graph.lint()
     body.recompile()
-
-
-def _free_name(module: nn.Module, base: str) -> str:
-    name, suffix = base, 1
-    while hasattr(module, name):
-        name, suffix = f"{base}_{suffix}", suffix + 1
-    return name
