@@ -41,6 +41,7 @@ from autopar_passes.expose import expose_fused_projections
 from autopar_passes.functionalize import view_chain
 from autopar_passes.layers import LayerContainer, find_layer_container, module_path
 from autopar_passes.strategies.inplace import mutates_first_input
+from autopar_passes.trace_once import export_layers_once
 from autopar_plans.errors import UntraceableModelError, UsageError
 
 
@@ -141,11 +142,14 @@ def trace(
     example_kwargs: Mapping[str, Any] | None = None,
     *,
     batch_norm_groups: int = 1,
+    layers_once: bool = True,
 ) -> TracedModel:
     """Export ``model`` on its example inputs and annotate every node.
 
     Training batch norms take their statistics over each of ``batch_norm_groups``
     consecutive slices of the batch (``autopar_passes.batch_norm``; 1: the whole batch).
+    Repeated layers are exported once and copied (``autopar_passes.trace_once``;
+    ``layers_once=False`` exports every layer).
     Inputs on another device than a ``meta`` model are moved to ``meta``. Raises
     ``UsageError`` when the inputs do not fit ``forward`` and ``UntraceableModelError`` when
     the model's code cannot be traced.
@@ -160,7 +164,9 @@ def trace(
     if _model_device(model) == torch.device("meta"):
         args, kwargs = _to_meta((args, kwargs))
     start = time.perf_counter()
-    exported = _export(model, args, kwargs)
+    exported = (
+        export_layers_once(model, args, kwargs, _export) if layers_once else None
+    ) or _export(model, args, kwargs)
     _check_static_shapes(exported.graph_module.graph)
     check_dtypes(exported.graph_module.graph, autocast=_autocast_on())
     _refuse_writes_into_inputs(exported)
