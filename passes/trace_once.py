@@ -1,15 +1,17 @@
-"""Export a model's repeated layers once: trace a copy of the model with three layers, and
-make the others from the third.
+"""Export a model's repeated layers once: trace layers 0 to 2, and make the others from
+layer 2.
 
 ``torch.export`` spends about 2 ms per op running the model's Python on fake tensors:
-llama3-8b's 32 layers take 5.7 s of its 6.5 s trace, and the time grows with depth. A
+llama3-8b's 32 layers took 5.7 s of its 6.5 s trace, and the time grew with depth. A
 transformer repeats one block, so layer ``i``'s program is layer 2's with its own
 parameters, reading layer ``i - 1`` where layer 2 reads layer 1. This pass exports the
-model with its layer container cut to layers 0, 1 and 2, then builds the whole program:
-layers 0 and 1 as traced, layers 2 to ``L - 1`` as copies of layer 2, and the nodes after
-the layers reading layer ``L - 1`` where they read layer 2. Node names come from the
-graph's namespace in graph order, as export's do, so the program equals a full export node
-for node (``tests/passes/test_trace_once.py`` compares them).
+whole model with layers 3 to ``L - 1`` standing in: each returns new empty tensors shaped
+as layer 2's outputs, so the model's own code around the layer calls (the embedding, a
+sum of per-layer router losses, the head) runs and is traced as written. Each stand-in's
+nodes are then replaced by a copy of layer 2 that reads its own parameters (already in
+the program: export lifts every parameter) and the layer before. Node names come from the
+graph's namespace in graph order, as export's do, so the program equals a full export
+node for node (``tests/passes/test_trace_once.py`` compares them).
 
 It applies only where the copy is sure to be what a full export gives (otherwise the whole
 model is exported, as before):
@@ -18,16 +20,17 @@ model is exported, as before):
   ``MIN_LAYERS`` children of one class) holds layers whose modules agree in everything but
   their tensors' values: the same submodules, parameter and buffer names, shapes and dtypes,
   the same plain attributes (an attribute holding the layer's own index, as Hugging Face's
-  ``layer_idx``, excepted), no hooks, no parameter shared between layers;
-- layers 1 and 2 of the cut model export to the same program: the same ops, shapes, dtypes
-  and arguments, layer 2 reading layer 1 exactly where layer 1 reads layer 0 and otherwise
-  only its own nodes and the same nodes outside the layers;
-- each layer's nodes are one run of the graph, nothing outside the layers runs between
-  them, the nodes after the layers read no layer but the last (no sum of per-layer
-  auxiliary losses), and the layers hold no constants, submodules or buffers written in
-  place.
+  ``layer_idx``, excepted), no hooks, no tensor shared between layers;
+- every layer is called once, each from 3 on as layer 2 was, one layer on: where layer 2
+  took layer 1's output, the layer before's; anything else, the same objects (code of the
+  model's that changes a layer's input by index shows here);
+- layers 1 and 2 export to the same program: the same ops, shapes, dtypes and arguments,
+  layer 2 reading layer 1 exactly where layer 1 reads layer 0, and otherwise only its own
+  nodes and nodes made before the layers;
+- each layer's ops are one run of the graph, and the layers hold no constants and no
+  submodules (a higher-order op's body).
 
-Fake tensors: each copy gets fresh ones, aliased as layer 2's are (a view of a layer's own
+Fake tensors: each copy gets its own, aliased as layer 2's are (a view of a layer's own
 output views the copy's), because the annotate pass attributes saved bytes by storage.
 """
 
