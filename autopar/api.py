@@ -27,7 +27,7 @@ from autopar.options import PlanOptions
 from autopar.replan import keep_pinned
 from autopar.runtime.faults import DEFAULT_TIMEOUT_S
 from autopar.runtime.precision import check_precision, run_precision
-from autopar_passes.pipeline.search import PipelineRequest
+from autopar_passes.pipeline.search import PipelineRequest, Progress
 from autopar_passes.solve import Constraint, SolveRequest, no_constraints
 from autopar_passes.trace import TracedModel, trace
 from autopar_plans.errors import AutoparError, PlanWarning, UsageError
@@ -49,6 +49,7 @@ def plan(
     example_inputs: Sequence[Any],
     *,
     example_kwargs: dict[str, Any] | None = None,
+    progress: Progress | None = None,
     **options: Any,
 ) -> Plan:
     """Plan ``model`` on ``mesh`` for batches shaped like ``example_inputs``.
@@ -60,8 +61,12 @@ def plan(
     for); ``force`` a parallel style (``autopar.force.STYLES``); ``zero`` a ZeRO stage;
     ``time_limit`` for the solver; ``name`` for the plan; ``hints`` a GShard-style hint
     file (``docs/hints.md``) whose every hint is a constraint the solver plans around.
+    ``progress``, if given, is told in a few words what planning is doing (the trace, each
+    candidate's solve and its estimate): ``autopar plan`` shows it on a terminal.
     """
-    made = _plan(model, mesh, example_inputs, example_kwargs, PlanOptions.of(options))[0]
+    made = _plan(
+        model, mesh, example_inputs, example_kwargs, PlanOptions.of(options), progress=progress
+    )[0]
     warn_about(made)
     return made
 
@@ -80,6 +85,7 @@ def _plan(
     example_kwargs: dict[str, Any] | None,
     options: PlanOptions,
     pinned: dict[str, Layout] | None = None,
+    progress: Progress | None = None,
 ) -> tuple[Plan, TracedModel]:
     """The plan and the trace it was made on; ``pinned``: parameter placeholders whose
     layout is fixed (``autopar.replan``)."""
@@ -90,7 +96,10 @@ def _plan(
     preset = load_preset(mesh.device)
     options = _with_reduction(options_with_hints(options))
     groups = options.batch_norm_groups(mesh)
+    say = progress or (lambda _: None)
+    say("tracing the model")
     traced = trace(model, example_inputs, example_kwargs, batch_norm_groups=groups)
+    say(f"traced {len(traced.graph.nodes)} nodes in {traced.trace_seconds:.1f} s")
     hinted = apply_hints(options.hints, traced, mesh, options)  # checked before solving
     batch = _batch_size(traced)
     global_batch = options.global_batch or batch
@@ -132,6 +141,7 @@ def _plan(
             microbatch_inputs(example_kwargs or {}, batch, size),
             batch_norm_groups=groups,
         ),
+        progress=say,
     )
     made = hinted.plan(traced, pipeline)
     if groups > 1:

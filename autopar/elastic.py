@@ -23,9 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from autopar_plans.errors import UsageError
 from autopar_plans.writes import write_atomic
@@ -49,6 +47,8 @@ def latest(root: str | Path) -> int | None:
 
 
 def _state(model: nn.Module, optimizer: Any, schedule: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict  # 0.5 s to import
+
     model_state, optim_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optim": optim_state}
     if schedule is not None:
@@ -67,6 +67,8 @@ def save(
     """Save the state after ``step`` steps (collective: every rank calls it); then mark it
     the latest, and keep the ``keep`` newest checkpoints."""
     root = Path(root)
+    import torch.distributed.checkpoint as dcp  # 0.5 s to import: only where used
+
     dcp.save(_state(model, optimizer, schedule), checkpoint_id=str(_folder(root, step)))
     dist.barrier()  # every rank's shards are written before the marker says so
     if dist.get_rank() == 0:
@@ -85,6 +87,9 @@ def resume(model: nn.Module, optimizer: Any, root: str | Path, schedule: Any = N
     if step is None:
         return 0
     state = _state(model, optimizer, schedule)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
     dcp.load(state, checkpoint_id=str(_folder(Path(root), step)))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]

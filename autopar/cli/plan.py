@@ -147,9 +147,11 @@ def run(args: argparse.Namespace) -> int:
         "period": args.period,
         "offload": args.offload,
     }
-    with working(f"tracing and planning {args.model} on {mesh.describe()}"):
+    with working(f"planning {args.model} on {mesh.describe()}") as say:
         model, inputs, name = build_model(args.model, parse_config(args.config), meta=True)
-        plan = autopar.plan(model, mesh, inputs, name=name, hints=args.hints, **options)
+        plan = autopar.plan(
+            model, mesh, inputs, name=name, hints=args.hints, progress=say, **options
+        )
     return print_plan(plan, args)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from rich.console import Console
 from rich.markup import escape
@@ -29,14 +29,16 @@ def console(stderr: bool = False) -> Console:
 
 
 @contextlib.contextmanager
-def working(message: str) -> Iterator[None]:
+def working(message: str) -> Iterator[Callable[[str], None]]:
     """A status line with a spinner on stderr while something slow runs (tracing and solving
-    a big model take minutes), only when stderr is a terminal: logs and pipes stay clean."""
+    a big model take minutes), only when stderr is a terminal: logs and pipes stay clean.
+    Yields what says how far it got (``autopar.plan``'s ``progress=``): the line reads
+    ``message: what``."""
     if not sys.stderr.isatty():
-        yield
+        yield lambda _: None
         return
-    with console(stderr=True).status(f"{message} ..."):
-        yield
+    with console(stderr=True).status(f"{message} ...") as status:
+        yield lambda what: status.update(f"{message}: {escape(what)}")
 
 
 def summary_table(summary: GraphSummary, title: str) -> Table:

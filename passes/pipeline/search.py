@@ -74,9 +74,16 @@ from autopar_plans.plan import (
     Stage,
     StageEstimate,
 )
-from autopar_plans.units import format_bytes
+from autopar_plans.units import format_bytes, format_seconds
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+# what planning is doing, in a few words (``autopar.plan``'s ``progress=``)
+Progress = Callable[[str], None]
+
+
+def _silent(_: str) -> None:
+    """No progress shown."""
 
 
 @dataclass
@@ -98,6 +105,7 @@ class PipelineRequest:
     # dim): microbatches smaller than a stage's devices (``_small_sizes``); None: only the
     # sizes the example's trace scales to
     retrace: Callable[[int], TracedModel] | None = None
+    progress: Progress = _silent
 
 
 @dataclass(frozen=True)
@@ -163,12 +171,16 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
     limit = request.solve.memory_limit
     search = _Search(request, layers)
     pending: list[tuple[float, int, Source | tuple[int, ...]]] = []
-    for p in _stage_counts(mesh, layers, request):
+    counts = _stage_counts(mesh, layers, request)
+    for i, p in enumerate(counts):
         stage_mesh = _stage_mesh(mesh, p)
         sizes = _microbatch_sizes(request, stage_mesh)
         if not sizes:
             continue
         source = Source(traced, request.traced_batch, tuple(sizes))
+        request.progress(
+            f"{_stages(p)} ({i + 1} of {len(counts)}): fastest layouts{search.best_words()}"
+        )
         solved = search.solve(p, None, source)
         if solved is None:
             continue
@@ -194,6 +206,14 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
         sizes = list(entry.sizes if isinstance(entry, Source) else entry)
         cutoff = (
             tie(best * p / _bubble_factor(p, sizes, layers, request)) if search.candidates else None
+        )
+        what = (
+            "layouts under the memory limit"
+            if isinstance(entry, Source)
+            else f"microbatches of {min(sizes)}, traced again"
+        )
+        request.progress(
+            f"{_stages(p)}: {what} (at best {format_seconds(bound)}){search.best_words()}"
         )
         if isinstance(entry, Source):
             source = entry
@@ -221,6 +241,10 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
         key=lambda c: (float(f"{c.step_time_s:.9g}"), c.microbatches, c.memory),
     )
     return _to_plan(request, candidates[0], candidates[1:6])
+
+
+def _stages(p: int) -> str:
+    return "no pipeline" if p == 1 else f"{p} stages"
 
 
 def _stage_budgets(
@@ -310,6 +334,12 @@ class _Search:
         self.autocast: dict[int, dict[str, str]] = {}  # traced batch -> node -> dtype
         # traced batch -> what autograd keeps under autocast (``autocast_saved``)
         self.saved: dict[int, AutocastSaved | None] = {}
+
+    def best_words(self) -> str:
+        """``; best 7.12 s a step`` once a configuration fits, else nothing."""
+        if not self.candidates:
+            return ""
+        return f"; best {format_seconds(min(c.step_time_s for c in self.candidates))} a step"
 
     def solve(
         self,

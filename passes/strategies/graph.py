@@ -54,8 +54,23 @@ class NodeChoices:
     params: tuple[str | None, ...] = ()
 
 
+# node.meta key of the node's ``OpCall`` with the arguments it was made from: each solve
+# of the pipeline search (one per stage count) reads every node's call again
+_CALL_KEY = "autopar_call"
+
+
 def op_call(node: torch.fx.Node) -> OpCall:
-    """The ``OpCall`` a rule sees for an fx node (tensors replaced by their TensorInfo)."""
+    """The ``OpCall`` a rule sees for an fx node (tensors replaced by their TensorInfo);
+    made once per node and its arguments (a pass that rewrites them gets a new one)."""
+    kept = node.meta.get(_CALL_KEY)
+    if kept is not None and kept[0] is node.args and kept[1] is node.kwargs:
+        return kept[2]
+    call = _make_call(node)
+    node.meta[_CALL_KEY] = (node.args, node.kwargs, call)
+    return call
+
+
+def _make_call(node: torch.fx.Node) -> OpCall:
     inputs: list[TensorInfo] = []
 
     def convert(value: Any) -> Any:

@@ -81,3 +81,18 @@ def test_a_plans_warnings_are_pythons_warnings_at_the_callers_line():
     for found in run_ranks(_compile_warnings, 2):
         assert [message for message, _ in found] == list(plan.warnings)
         assert {filename for _, filename in found} == {__file__}
+
+
+def test_progress_is_told_the_trace_and_each_candidate():
+    """What ``autopar plan`` shows on a terminal while it plans: the trace, then each stage
+    count's solve, with the best step time found so far once one fits."""
+    model, inputs = build("gpt-tiny")
+    told: list[str] = []
+    autopar.plan(
+        model, autopar.Mesh((2, 2), device="h100-sxm"), inputs, global_batch=8, progress=told.append
+    )
+    assert told[0] == "tracing the model"
+    assert told[1].startswith("traced ") and " nodes in " in told[1]
+    assert told[2] == "no pipeline (1 of 2): fastest layouts"  # gpt-tiny's 2 layers: 1 or 2
+    assert told[3].startswith("2 stages (2 of 2): fastest layouts; best ")
+    assert told[3].endswith(" a step")
