@@ -72,7 +72,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar_passes.mip import Lin, Mip
+from autopar_passes.mip import Lin, Mip, MipResult
 from autopar_plans.plan import SolverReport
 
 Matrix = dict[tuple[int, int], float]
@@ -456,10 +456,10 @@ def solve_ilp(
         model.add(objective.minus(exposed.scaled(problem.sync_passes)), upper=work_cutoff)
 
     beat_this = cutoff is not None or work_cutoff is not None
-    give_up = GiveUp(GIVE_UP_FRACTION * time_limit) if beat_this else None
-    result = model.solve(time_limit, backend, {"presolve_rule_off": PROBING}, give_up)
+    limit = WorkLimit.of(time_limit, beat_this)
+    result = model.solve(CLOCK_FACTOR * time_limit, backend, dict(SOLVER_OPTIONS), limit)
     elapsed = time.perf_counter() - start
-    gave_up = give_up is not None and give_up.fired
+    gave_up = limit.fired == "gave up"
     feasible = result.has_solution and not gave_up
     timed_out = not feasible and not result.infeasible
     choice: dict[str, int] = {}
@@ -474,11 +474,7 @@ def solve_ilp(
         }
     report = SolverReport(
         backend=result.backend,
-        status=(
-            f"gave up: no plan under the cutoff in {GIVE_UP_FRACTION * time_limit:g} s"
-            if gave_up
-            else result.status
-        ),
+        status=_status(result, limit),
         time_s=elapsed,
         time_limit_s=time_limit,
         variables=n_binary + n_edge + len(problem.group_calls) + len(problem.prefetch) + 1,
@@ -676,21 +672,69 @@ def _add_edge(
     return pairs
 
 
-GIVE_UP_FRACTION = 1 / 3
-# HiGHS's presolve rule bit for probing. Off: with a cutoff row over the whole objective
-# (tens of thousands of edge products), probing alone took a minute on llama-tiny 4x2 and
-# ended the solve with no plan, where without it the solve proves optimal in 5 s.
-PROBING = 1 << 15
+# HiGHS's options for every solve: presolve off. Measured on every MIP the quality
+# benchmark solves for llama3-8b on 8x8 (63 problems, each solved both ways with the same
+# status and objective): 113.5 s of HiGHS with presolve, 57.2 s without; the proofs that
+# nothing beats a cutoff went from 1.5-10 s to 0.5-1.1 s. One problem, which branches,
+# went from 7 s to 23 s. gpt3-13b on 8x8: 4.2 s to 2.6 s; llama3-8b with 96 layers without
+# a pipeline: 6.9 s to 2.4 s. (Probing alone, with presolve on, once took a minute on
+# llama-tiny 4x2 with a cutoff row over the whole objective.)
+SOLVER_OPTIONS = {"presolve": "off"}
+
+
+# The solver stops by the work it has done, not by the clock, so the same problem gives the
+# same plan on a loaded machine and on a quiet one. ``time_limit`` is a budget of work: HiGHS's
+# MIP callback does not count simplex iterations (it reports -1), so the work is counted in
+# the solver's own checkpoints, which it passes at fixed points of its search (its nodes and
+# rounds of cuts and heuristics), the same on every run (checked: 98, 98 and 83, 83 for one
+# problem solved twice each way). A root node with no branching passes 2; the longest
+# solves of the quality benchmark pass 4 to 14 a second on this project's 2-core machine.
+# A budget of ``t`` seconds is ``CHECKS_PER_SECOND * t`` checkpoints (200 for the default
+# 60 s); a solve with a cutoff that has found no plan gives up after a third of them, as
+# the clock-based rule did after a third of the time. The clock stops a solve only at
+# ``CLOCK_FACTOR`` times its budget, a last resort, and a plan it decided says so
+# (``autopar_passes.solve``).
+CHECKS_PER_SECOND = 10 / 3
+CLOCK_FACTOR = 3.0
 
 
 @dataclass
-class GiveUp:
-    """HiGHS's interrupt callback: stop a solve that has no plan after ``seconds``."""
+class WorkLimit:
+    """HiGHS's interrupt callback: stop a solve by the work it did, in the solver's
+    checkpoints (``WorkLimit.of`` a budget). ``give_up``: with a cutoff, stop a solve that
+    has no plan after this many (None: no cutoff); ``most``: stop any solve after this
+    many, with its best plan. ``fired`` says which stopped it ("" for neither)."""
 
-    seconds: float
-    fired: bool = False
+    give_up: int | None
+    most: int
+    checks: int = 0
+    fired: str = ""
+
+    @staticmethod
+    def of(budget_s: float, beat_this: bool) -> WorkLimit:
+        """The checkpoints a budget of ``budget_s`` seconds allows (module comment)."""
+        most = round(budget_s * CHECKS_PER_SECOND)
+        return WorkLimit(most // 3 if beat_this else None, most)
 
     def __call__(self, kind: int, message: str, out: Any, into: Any, data: Any) -> None:
-        if out.running_time > self.seconds and not math.isfinite(out.mip_primal_bound):
+        self.checks += 1
+        if (
+            self.give_up is not None
+            and self.checks > self.give_up
+            and not math.isfinite(out.mip_primal_bound)
+        ):
             into.user_interrupt = True
-            self.fired = True
+            self.fired = "gave up"
+        elif self.checks > self.most:
+            into.user_interrupt = True
+            self.fired = "work limit"
+
+
+def _status(result: MipResult, limit: WorkLimit) -> str:
+    if limit.fired == "gave up":
+        return f"gave up: no plan under the cutoff in {limit.give_up:,} solver checkpoints"
+    if limit.fired == "work limit":
+        if result.has_solution:
+            return f"feasible (work limit of {limit.most:,} solver checkpoints; best found)"
+        return f"not solved (work limit of {limit.most:,} solver checkpoints)"
+    return result.status

@@ -69,7 +69,12 @@ def autocast_dtypes(traced: TracedModel, precision: str) -> dict[str, str]:
     norm's or an embedding's fp32 output is known for what it is, and a matmul's for bf16.
 
     The run uses CPU autocast's op lists; CUDA's differ in a few ops (its softmax and
-    norms return fp32 for bf16 inputs), which the ledger then gets wrong there."""
+    norms return fp32 for bf16 inputs), which the ledger then gets wrong there. Run once
+    per trace and precision (``TracedModel.derived``)."""
+    return traced.derived(("autocast_dtypes", precision), lambda: _dtypes(traced, precision))
+
+
+def _dtypes(traced: TracedModel, precision: str) -> dict[str, str]:
     compute = COMPUTE.get(precision)
     if compute is None:
         return {}
@@ -162,7 +167,11 @@ def autocast_saved(traced: TracedModel, precision: str) -> AutocastSaved | None:
     """What autograd keeps under ``precision``'s autocast (None unless mixed precision):
     one forward of the traced graph on fake tensors, with ``saved_tensors_hooks``
     classifying every kept tensor by its storage (CPU autocast's op lists, as
-    ``autocast_dtypes``)."""
+    ``autocast_dtypes``); run once per trace and precision."""
+    return traced.derived(("autocast_saved", precision), lambda: _saved(traced, precision))
+
+
+def _saved(traced: TracedModel, precision: str) -> AutocastSaved | None:
     compute = COMPUTE.get(precision)
     if compute is None:
         return None

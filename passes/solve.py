@@ -29,7 +29,14 @@ from autopar_cost_model.memory import precision_policy
 from autopar_cost_model.reduction import resolve_reduction
 from autopar_passes.costs import CostModel, fsdp_group_shares, gradient_bytes, sync_buckets
 from autopar_passes.decisions import Decisions, group_decisions
-from autopar_passes.ilp import IlpProblem, cannot_beat, dominates, objective_at, solve_ilp
+from autopar_passes.ilp import (
+    CLOCK_FACTOR,
+    IlpProblem,
+    cannot_beat,
+    dominates,
+    objective_at,
+    solve_ilp,
+)
 from autopar_passes.layer_sharing import layer_representatives
 from autopar_passes.mixed_precision import (
     MIXED,
@@ -329,11 +336,13 @@ def _solve(
         )
         if solution.timed_out and (cutoff is not None or request.work_cutoff is not None):
             return None  # nothing better than the plan in hand found in time: keep that one
+        by_work = "work limit" in solution.report.status
         if solution.timed_out:
+            limit = "work" if by_work else "time, by the clock,"
             raise InfeasiblePlanError(
-                f"the solver found no plan within its time limit of {request.time_limit:g} s "
-                f"({solution.report.variables} variables); allow it more time (time_limit=, "
-                "--time-limit)"
+                f"the solver found no plan within its time limit of {request.time_limit:g} "
+                f"s of {limit} ({solution.report.variables} variables); allow it more time "
+                "(time_limit=, --time-limit) or fix part of the plan with hints"
             )
         if not solution.feasible:
             return None
@@ -341,10 +350,17 @@ def _solve(
             update={"variables_before_merging": unmerged_size(decisions)}
         )
         notes = list(warnings)
-        if report.status != "optimal":
+        if report.status != "optimal" and by_work:
             notes.append(
-                f"the solver stopped at its time limit ({request.time_limit:g} s) "
-                f"with the best plan found so far (gap {report.gap})"
+                f"the solver stopped at its time limit ({request.time_limit:g} s of work, the "
+                f"same on any machine) with the best plan found so far (gap {report.gap})"
+            )
+        elif report.status != "optimal":
+            notes.append(
+                f"the solver stopped at its time limit by the clock ({CLOCK_FACTOR:g} x "
+                f"{request.time_limit:g} s) with the best plan found so far (gap "
+                f"{report.gap}): the machine's load, not the work done, decided, so another "
+                "run may give another plan; allow more time (time_limit=, --time-limit)"
             )
         return Solved(
             decisions,

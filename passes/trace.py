@@ -25,10 +25,10 @@ import time
 import traceback
 import warnings
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -43,6 +43,8 @@ from autopar_passes.layers import LayerContainer, find_layer_container, module_p
 from autopar_passes.strategies.inplace import mutates_first_input
 from autopar_passes.trace_once import export_layers_once
 from autopar_plans.errors import UntraceableModelError, UsageError
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +107,15 @@ class TracedModel:
     added_kwargs: dict[str, Any] = field(default_factory=dict)
     # the model's mode when traced: dropout and the like are traced as that mode runs them
     training: bool = True
+    # what passes derive from the graph and read again, by key (``derived``): the graph does
+    # not change once traced, and the pipeline search reads the same analyses per stage count
+    _derived: dict[Hashable, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def derived(self, key: Hashable, make: Callable[[], _T]) -> _T:
+        """``make()``, computed once per ``key`` for this trace."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]  # type: ignore[no-any-return]
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:

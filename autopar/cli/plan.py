@@ -92,7 +92,12 @@ def add_parser(subparsers: Any) -> None:
         "it), none, or kinds forced on: optimizer, activations, parameters (with the "
         "optimizer: it needs it), optimizer,activations (docs/offload.md)",
     )
-    parser.add_argument("--time-limit", type=float, default=60.0, help="solver seconds")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=60.0,
+        help="solver budget per solve, in seconds of work (the same plan on any machine)",
+    )
     parser.add_argument(
         "--hints", type=Path, metavar="FILE", help="a hint file (YAML; see docs/hints.md)"
     )

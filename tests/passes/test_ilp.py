@@ -1,5 +1,7 @@
-"""A solve asked to beat a plan in hand gives up when it finds none in a third of its time
-(``autopar_passes.ilp.GiveUp``), and then reports no plan, never a made-up one."""
+"""A solve stops by the work it did, not by the clock (``autopar_passes.ilp.WorkLimit``):
+one asked to beat a plan in hand gives up when it finds none in its share of the solver's
+checkpoints, and then reports no plan, never a made-up one; any solve stops at its work
+limit with its best plan, and says so."""
 
 from __future__ import annotations
 
@@ -9,21 +11,30 @@ from types import SimpleNamespace
 import pytest
 
 from autopar_passes import ilp
-from autopar_passes.ilp import GIB, GiveUp, IlpProblem, solve_ilp
+from autopar_passes.ilp import GIB, IlpProblem, WorkLimit, solve_ilp
 
 
-def _callback(give_up: GiveUp, running_time: float, incumbent: float) -> bool:
+def _callback(limit: WorkLimit, checks: int, incumbent: float) -> bool:
+    """Call ``limit`` as HiGHS does at ``checks`` checkpoints; whether the last one stops."""
     into = SimpleNamespace(user_interrupt=False)
-    out = SimpleNamespace(running_time=running_time, mip_primal_bound=incumbent)
-    give_up(0, "", out, into, None)
+    out = SimpleNamespace(mip_primal_bound=incumbent, running_time=1e9)
+    while limit.checks < checks:
+        into.user_interrupt = False
+        limit(0, "", out, into, None)
     return into.user_interrupt
 
 
-def test_it_interrupts_only_a_solve_past_its_time_without_a_plan() -> None:
-    give_up = GiveUp(20.0)
-    assert not _callback(give_up, 19.0, float("inf")) and not give_up.fired
-    assert not _callback(give_up, 30.0, 7.5)  # a plan under the cutoff: let it improve
-    assert _callback(give_up, 21.0, float("inf")) and give_up.fired
+def test_it_gives_up_only_on_a_solve_past_its_checks_without_a_plan() -> None:
+    limit = WorkLimit(give_up=10, most=50)
+    assert not _callback(limit, 10, float("inf")) and not limit.fired
+    assert not _callback(limit, 30, 7.5)  # a plan under the cutoff: let it improve
+    assert _callback(limit, 31, float("inf")) and limit.fired == "gave up"
+
+
+def test_any_solve_stops_at_its_work_limit_whatever_the_clock_says() -> None:
+    limit = WorkLimit(give_up=None, most=50)
+    assert not _callback(limit, 50, float("inf"))  # the clock (running_time) is not read
+    assert _callback(limit, 51, 7.5) and limit.fired == "work limit"
 
 
 def _random_problem(decisions: int = 40, choices: int = 3) -> IlpProblem:
@@ -45,16 +56,16 @@ def test_a_solve_that_gave_up_has_no_plan(monkeypatch: pytest.MonkeyPatch, cutof
     problem = _random_problem()
     best = solve_ilp(problem)
     assert best.feasible
-    fired: list[GiveUp] = []
-    call = GiveUp.__call__
+    fired: list[WorkLimit] = []
+    call = WorkLimit.__call__
 
-    def spy(self: GiveUp, *args: object) -> None:
+    def spy(self: WorkLimit, *args: object) -> None:
         call(self, *args)
         if self.fired:
             fired.append(self)
 
-    monkeypatch.setattr(GiveUp, "__call__", spy)
-    monkeypatch.setattr(ilp, "GIVE_UP_FRACTION", 0.0)  # give up at once
+    monkeypatch.setattr(WorkLimit, "__call__", spy)
+    monkeypatch.setattr(ilp, "CHECKS_PER_SECOND", 0.0)  # give up at once
     bound = best.report.objective * 2  # loose: a plan under it exists
     gave_up = solve_ilp(problem, **{cutoff: bound})
     assert fired, "the solve found its plan before the first interrupt check"
@@ -67,3 +78,23 @@ def test_a_solve_with_time_to_spare_finds_the_plan_under_its_cutoff() -> None:
     best = solve_ilp(problem)
     again = solve_ilp(problem, cutoff=best.report.objective * 1.01)
     assert again.feasible and again.report.objective == pytest.approx(best.report.objective)
+
+
+def test_a_solve_stopped_by_its_work_limit_keeps_its_best_plan_the_same_each_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stopped early by work, a solve reports the limit and its gap, and two runs give the
+    same plan: no clock is read."""
+    problem = _random_problem(decisions=120, choices=4)
+    monkeypatch.setattr(ilp, "CHECKS_PER_SECOND", 0.1)  # 6 checkpoints for 60 s
+    first, second = solve_ilp(problem, 60.0), solve_ilp(problem, 60.0)
+    assert first.report.status.startswith("feasible (work limit of 6 solver checkpoints")
+    assert first.feasible and first.choice == second.choice
+    assert first.report.objective == second.report.objective
+
+
+def test_a_budget_in_seconds_is_a_number_of_checkpoints() -> None:
+    """The default 60 s allow 200 checkpoints; with a cutoff, a solve without a plan gives up
+    after a third of them, as the clock-based rule did after a third of the time."""
+    assert WorkLimit.of(60.0, beat_this=False) == WorkLimit(None, 200)
+    assert WorkLimit.of(60.0, beat_this=True) == WorkLimit(66, 200)

@@ -176,6 +176,27 @@ def test_a_solver_time_out_returns_the_best_plan_with_its_gap_and_a_warning(monk
     assert any("time limit" in w and "gap 0.07" in w for w in plan.warnings)
 
 
+def test_a_solve_stopped_by_its_work_limit_says_so_and_that_the_clock_did_not_decide(
+    monkeypatch,
+):
+    """Stopped by its budget of work (``ilp.WorkLimit``), the plan is the best found, with
+    its gap, and a note that any machine gives it."""
+    import autopar_passes.solve as solve_module
+    from autopar_passes.ilp import solve_ilp
+
+    def stopped_early(problem, time_limit, backend="highs", cutoff=None, work_cutoff=None):
+        solution = solve_ilp(problem, time_limit, backend, cutoff, work_cutoff)
+        status = "feasible (work limit of 200 solver checkpoints; best found)"
+        report = solution.report.model_copy(update={"status": status, "gap": 0.03})
+        return type(solution)(solution.choice, report, True)
+
+    monkeypatch.setattr(solve_module, "solve_ilp", stopped_early)
+    model, inputs = build("mlp-tiny")
+    with pytest.warns(autopar.PlanWarning, match="s of work, the same on any machine"):
+        plan = autopar.plan(model, autopar.Mesh((2,), device="cpu"), inputs)
+    assert plan.solver.gap == 0.03
+
+
 def test_no_plan_within_the_time_limit_says_to_allow_more_time(monkeypatch):
     import autopar_passes.solve as solve_module
     from autopar_passes.ilp import solve_ilp
@@ -186,7 +207,7 @@ def test_no_plan_within_the_time_limit_says_to_allow_more_time(monkeypatch):
 
     monkeypatch.setattr(solve_module, "solve_ilp", nothing_found)
     model, inputs = build("mlp-tiny")
-    with pytest.raises(InfeasiblePlanError, match="time limit of 5 s"):
+    with pytest.raises(InfeasiblePlanError, match="time limit of 5 s of time, by the clock"):
         autopar.plan(model, autopar.Mesh((2,), device="cpu"), inputs, time_limit=5)
 
 
