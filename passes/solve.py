@@ -406,11 +406,12 @@ def _solve(
     best: Solved | None = None
     last: Built | None = None
     over_host = 0.0
+    refuted: list[IlpProblem] = []  # memory set aside, proved no faster than a best in hand
     for offload in candidates:
         levels = offload_levels(request.zero_levels, offload)
         if not levels:
             continue
-        if best is not None and not _could_beat(levels, offload, best, build, run):
+        if best is not None and not _could_beat(levels, offload, best, build, run, refuted):
             continue
         built = [build(zero, limit, offload) for zero in levels]
         last = built[-1]  # the most offload tried: the least memory, for the message
@@ -502,14 +503,23 @@ def _could_beat(
     best: Solved,
     build: Callable[..., Built],
     run: Callable[..., Solved | None],
+    refuted: list[IlpProblem],
 ) -> bool:
     """Whether an offload policy's fastest plan with memory set aside (a lower bound on its
-    plans under the limit) beats ``best``: solved under ``best``'s cutoff, quick to refute."""
+    plans under the limit) beats ``best``: solved under ``best``'s cutoff, quick to refute.
+    A level whose problem costs every choice no less than one already refuted
+    (``ilp.cannot_beat``: more offloaded, the same copies and more) is refuted without a
+    solve; each one solved and refuted joins ``refuted`` (a best found later is faster
+    still, so they stay refuted)."""
     bound = tie(best.report.objective or 0.0)
     for zero in levels:
-        found = run(build(zero, None, offload), bound)
+        problem = build(zero, None, offload)
+        if any(cannot_beat(done, problem.parts.problem) for done in refuted):
+            continue
+        found = run(problem, bound)
         if found is not None and _faster(found, best):
             return True
+        refuted.append(problem.parts.problem)
     return False
 
 
