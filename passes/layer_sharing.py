@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,3 +68,43 @@ def _signature(
     if node.op == "placeholder":  # names differ per layer (p_layers_3_...); shapes must not
         return (node.op, note.kind, note.outputs)
     return (node.op, str(node.target), note.kind, note.outputs, arg(node.args), arg(node.kwargs))
+
+
+@dataclass(frozen=True)
+class LayerCopies:
+    """The ops of layers identical to an earlier one, each with the op it copies (its
+    representative, at the same position of the first layer of its class), and how a node
+    the representative reads or keeps maps to the node the copy does: at the same position
+    of the layer as far from the copy's as it is from the representative's; outside the
+    layers, the same node. What a pass computes by running the graph (the autocast runs of
+    ``autopar_passes.mixed_precision``) runs the representatives and copies the rest."""
+
+    representative: dict[str, str]  # op of a copied layer -> the op it copies
+    where: dict[str, tuple[int, int]]  # node inside the layers -> (layer, position)
+    at: dict[tuple[int, int], str]  # the inverse
+
+    def translate(self, name: str, copy: str) -> str | None:
+        """What ``copy`` has where its representative has ``name`` (None: no such node)."""
+        source = self.where.get(name)
+        if source is None:
+            return name
+        shift = self.where[copy][0] - self.where[self.representative[copy]][0]
+        return self.at.get((source[0] + shift, source[1]))
+
+
+def layer_copies(graph: torch.fx.Graph) -> LayerCopies:
+    """The ops of ``graph``'s copied layers (``LayerCopies``)."""
+    representatives = layer_representatives(graph)
+    position: dict[int, int] = defaultdict(int)
+    where: dict[str, tuple[int, int]] = {}
+    for node in graph.nodes:
+        layer = node.meta[META_KEY].layer
+        if layer is not None and node.op in ("placeholder", "call_function"):
+            where[node.name] = (layer, position[layer])
+            position[layer] += 1
+    copied = {
+        node.name: representatives[node.name]
+        for node in graph.nodes
+        if node.op == "call_function" and representatives.get(node.name, node.name) != node.name
+    }
+    return LayerCopies(copied, where, {spot: name for name, spot in where.items()})

@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar_passes.annotation import META_KEY
+from autopar_passes.layer_sharing import LayerCopies, layer_copies
 from autopar_passes.probe import storage_id, tensor_leaves
 from autopar_passes.trace import TracedModel
 
@@ -78,6 +79,7 @@ def _dtypes(traced: TracedModel, precision: str) -> dict[str, str]:
     compute = COMPUTE.get(precision)
     if compute is None:
         return {}
+    copies = layer_copies(traced.graph)
     values: dict[str, object] = {}
     with (
         FakeTensorMode(allow_non_fake_inputs=True),
@@ -93,6 +95,10 @@ def _dtypes(traced: TracedModel, precision: str) -> dict[str, str]:
                     else val
                 )
             elif node.op == "call_function" and node.meta[META_KEY].outputs:
+                copied = copies.representative.get(node.name)
+                if copied is not None:  # a copied layer's op: its representative's dtypes
+                    values[node.name] = values[copied]
+                    continue
                 args, kwargs = torch.fx.node.map_aggregate(
                     (node.args, node.kwargs), _on_cpu(values)
                 )
@@ -153,6 +159,9 @@ class _Casts(TorchDispatchMode):
         super().__init__()
         self.owner = owner
         self.cast_of: dict[int, str] = {}
+        # the copies themselves: a storage freed could be reused at the same address by a
+        # later tensor, which would then pass for a copy (fake tensors: no memory held)
+        self.copies: list[torch.Tensor] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -160,6 +169,7 @@ class _Casts(TorchDispatchMode):
             source = self.owner.get(storage_id(args[0]), self.cast_of.get(storage_id(args[0])))
             if source is not None and isinstance(out, torch.Tensor):
                 self.cast_of[storage_id(out)] = source
+                self.copies.append(out)
         return out
 
 
@@ -181,6 +191,11 @@ def _saved(traced: TracedModel, precision: str) -> AutocastSaved | None:
     values: dict[str, object] = {}
     found = AutocastSaved()
     weight_casts: set[tuple[str, str]] = set()
+    # an op of a layer identical to an earlier one is not run: it keeps what its
+    # representative keeps, one layer on (``LayerCopies``), and its value is a new tensor
+    # shaped as the representative's (what the ops after the layers read and keep)
+    copies = layer_copies(traced.graph)
+    kept_by: dict[str, list[_Kept]] = {}
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake, torch.autocast("cpu", dtype=compute), _Casts(owner) as casts:
         for node in traced.graph.nodes:
@@ -197,22 +212,33 @@ def _saved(traced: TracedModel, precision: str) -> AutocastSaved | None:
                 continue
             if node.op != "call_function" or not note.outputs:
                 continue
+            copied = copies.representative.get(node.name)
             kept: list[torch.Tensor] = []
+            if copied is not None:
+                value = _like(values[copied])
+            else:
 
-            def pack(tensor: torch.Tensor, kept: list[torch.Tensor] = kept) -> torch.Tensor:
-                kept.append(tensor)
-                return tensor
+                def pack(tensor: torch.Tensor, kept: list[torch.Tensor] = kept) -> torch.Tensor:
+                    kept.append(tensor)
+                    return tensor
 
-            args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), _on_cpu(values))
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                value = node.target(*args, **kwargs)  # type: ignore[operator]
+                args, kwargs = torch.fx.node.map_aggregate(
+                    (node.args, node.kwargs), _on_cpu(values)
+                )
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    value = node.target(*args, **kwargs)  # type: ignore[operator]
             values[node.name] = value
             for out in tensor_leaves(value):
                 owner.setdefault(storage_id(out), node.name)
+            if copied is not None:
+                events = [e.moved(copies, node.name) for e in kept_by[copied]]
+            else:
+                events = kept_by[node.name] = _classify(kept, owner, casts.cast_of, params)
             floating = {str(t.dtype) for t in tensor_leaves(value) if t.is_floating_point()}
             if len(floating) == 1:
                 found.output_dtypes[node.name] = floating.pop().removeprefix("torch.")
-            _classify(node.name, kept, owner, casts.cast_of, (live, params), found, weight_casts)
+            for event in events:
+                event.record(node.name, live, found, weight_casts)
     return AutocastSaved(
         found.output_bytes,
         found.cast_bytes,
@@ -222,18 +248,57 @@ def _saved(traced: TracedModel, precision: str) -> AutocastSaved | None:
     )
 
 
+def _like(value: Any) -> Any:
+    """New fake tensors shaped as ``value``'s (a gradient wanted where it was)."""
+
+    def one(tensor: torch.Tensor) -> torch.Tensor:
+        made = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
+        return made.requires_grad_(tensor.requires_grad)
+
+    if isinstance(value, torch.Tensor):
+        return one(value)
+    if isinstance(value, list | tuple):
+        return type(value)(_like(v) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """One storage an op keeps for backward: the value of ``source`` (``kind`` "output"),
+    a 16-bit copy of it ("cast"; of a parameter, "weight"), or neither ("internal")."""
+
+    kind: str
+    source: str
+    nbytes: int
+
+    def moved(self, copies: LayerCopies, copy: str) -> _Kept:
+        """What the op ``copy`` keeps where its representative keeps this."""
+        if self.kind == "internal":
+            return self
+        source = copies.translate(self.source, copy)
+        assert source is not None, "identical layers read the same positions"
+        return _Kept(self.kind, source, self.nbytes)
+
+    def record(
+        self, op: str, live: set[str], found: AutocastSaved, weight_casts: set[tuple[str, str]]
+    ) -> None:
+        """Count it in ``found`` (placeholders are held anyway; a value once)."""
+        if self.kind == "output":
+            if self.source not in live and self.source not in found.output_bytes:
+                found.output_bytes[self.source] = self.nbytes
+        elif self.kind == "weight":
+            weight_casts.add((self.source, op))
+        elif self.kind == "cast" and self.source not in live:
+            found.cast_bytes[self.source] = found.cast_bytes.get(self.source, 0) + self.nbytes
+        else:
+            found.internal_bytes[op] = found.internal_bytes.get(op, 0) + self.nbytes
+
+
 def _classify(
-    name: str,
-    kept: list[torch.Tensor],
-    owner: dict[int, str],
-    cast_of: dict[int, str],
-    placeholders: tuple[set[str], set[str]],
-    found: AutocastSaved,
-    weight_casts: set[tuple[str, str]],
-) -> None:
-    """Sort what op ``name`` kept into ``found`` (each storage once); ``placeholders``:
-    every placeholder (held anyway), and the parameters among them."""
-    live, params = placeholders
+    kept: list[torch.Tensor], owner: dict[int, str], cast_of: dict[int, str], params: set[str]
+) -> list[_Kept]:
+    """What an op kept, each storage once, by what it holds (``_Kept``)."""
+    found: list[_Kept] = []
     seen: set[int] = set()
     for tensor in kept:
         storage = storage_id(tensor)
@@ -243,13 +308,13 @@ def _classify(
         nbytes = tensor.untyped_storage().nbytes()
         source = owner.get(storage)
         if source is not None:
-            if source not in live and source not in found.output_bytes:
-                found.output_bytes[source] = nbytes
+            found.append(_Kept("output", source, nbytes))
             continue
         source = cast_of.get(storage)
         if source in params:
-            weight_casts.add((source, name))
-        elif source is not None and source not in live:
-            found.cast_bytes[source] = found.cast_bytes.get(source, 0) + nbytes
+            found.append(_Kept("weight", source, 0))
+        elif source is not None:
+            found.append(_Kept("cast", source, nbytes))
         else:
-            found.internal_bytes[name] = found.internal_bytes.get(name, 0) + nbytes
+            found.append(_Kept("internal", "", nbytes))
+    return found

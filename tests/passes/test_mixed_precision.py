@@ -7,7 +7,14 @@ import pytest
 import torch
 from torch import nn
 
-from autopar_passes.mixed_precision import autocast_saved, cast_for_gather, working_cast_nodes
+from autopar_examples.models import build
+from autopar_passes.layer_sharing import layer_copies
+from autopar_passes.mixed_precision import (
+    autocast_dtypes,
+    autocast_saved,
+    cast_for_gather,
+    working_cast_nodes,
+)
 from autopar_passes.trace import trace
 
 
@@ -83,3 +90,24 @@ def test_a_reshard_moves_a_value_in_the_dtype_autocast_gives_it(traced) -> None:
         assert info.dtype == "float32"  # traced in fp32
         assert cost.wire_itemsize(info, node.name) == itemsize
         assert plain.wire_itemsize(info, node.name) == 2  # without autocast's run: bf16
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [("gpt-tiny", {"n_layer": 6}), ("llama-tiny", {"n_layer": 5}), ("moe-tiny", {"n_layer": 5})],
+)
+def test_copied_layers_keep_what_a_run_of_every_layer_finds(monkeypatch, name, overrides):
+    """The autocast runs run one layer of each class and copy the rest (``LayerCopies``):
+    what they find equals a run of every op, node for node."""
+    from autopar_passes import mixed_precision
+    from autopar_passes.layer_sharing import LayerCopies
+
+    model, inputs = build(name, **overrides)
+    copied = trace(model, inputs)
+    saved = autocast_saved(copied, "bf16_mixed")
+    dtypes = autocast_dtypes(copied, "bf16_mixed")
+    assert len(layer_copies(copied.graph).representative) > 0
+    monkeypatch.setattr(mixed_precision, "layer_copies", lambda graph: LayerCopies({}, {}, {}))
+    whole = trace(model, inputs)
+    assert autocast_saved(whole, "bf16_mixed") == saved
+    assert autocast_dtypes(whole, "bf16_mixed") == dtypes
