@@ -40,7 +40,7 @@ import torch
 
 from autopar_passes.annotation import META_KEY, NodeAnnotation
 from autopar_passes.decisions import Decisions, group_decisions
-from autopar_passes.layer_sharing import layer_representatives
+from autopar_passes.layer_sharing import traced_representatives
 from autopar_passes.pipeline.search import PipelineRequest, plan_pipeline
 from autopar_passes.plan_build import MATMULS, is_residual_add
 from autopar_passes.recompute import RecomputeHint
@@ -667,7 +667,7 @@ class _Context:
         self.mesh = mesh
         traced = structure.traced
         choices, _ = graph_choices(traced.graph, mesh.shape)
-        representatives = layer_representatives(traced.graph)
+        representatives = traced_representatives(traced)
         tied = {n: info.nodes[0] for info in traced.params.values() for n in info.nodes[1:]}
         self.decisions: Decisions = group_decisions(choices, representatives, tied)
         self.groups = _groups_of(mesh, structure.resolved.mesh)

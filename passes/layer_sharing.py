@@ -16,11 +16,20 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from autopar_passes.annotation import META_KEY
+
+if TYPE_CHECKING:
+    from autopar_passes.trace import TracedModel
+
+
+def traced_representatives(traced: TracedModel) -> dict[str, str]:
+    """``layer_representatives`` of a traced model's graph, found once per trace (every
+    solve of the pipeline search asks)."""
+    return traced.derived(("representatives",), lambda: layer_representatives(traced.graph))
 
 
 def layer_representatives(graph: torch.fx.Graph) -> dict[str, str]:
@@ -92,9 +101,13 @@ class LayerCopies:
         return self.at.get((source[0] + shift, source[1]))
 
 
-def layer_copies(graph: torch.fx.Graph) -> LayerCopies:
-    """The ops of ``graph``'s copied layers (``LayerCopies``)."""
-    representatives = layer_representatives(graph)
+def layer_copies(
+    graph: torch.fx.Graph, representatives: dict[str, str] | None = None
+) -> LayerCopies:
+    """The ops of ``graph``'s copied layers (``LayerCopies``); ``representatives``: its
+    ``layer_representatives`` where known."""
+    if representatives is None:
+        representatives = layer_representatives(graph)
     position: dict[int, int] = defaultdict(int)
     where: dict[str, tuple[int, int]] = {}
     for node in graph.nodes:

@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar_passes.annotation import META_KEY
-from autopar_passes.layer_sharing import LayerCopies, layer_copies
+from autopar_passes.layer_sharing import LayerCopies, layer_copies, traced_representatives
 from autopar_passes.probe import storage_id, tensor_leaves
 from autopar_passes.trace import TracedModel
 
@@ -79,7 +80,7 @@ def _dtypes(traced: TracedModel, precision: str) -> dict[str, str]:
     compute = COMPUTE.get(precision)
     if compute is None:
         return {}
-    copies = layer_copies(traced.graph)
+    copies = layer_copies(traced.graph, traced_representatives(traced))
     values: dict[str, object] = {}
     with (
         FakeTensorMode(allow_non_fake_inputs=True),
@@ -194,7 +195,7 @@ def _saved(traced: TracedModel, precision: str) -> AutocastSaved | None:
     # an op of a layer identical to an earlier one is not run: it keeps what its
     # representative keeps, one layer on (``LayerCopies``), and its value is a new tensor
     # shaped as the representative's (what the ops after the layers read and keep)
-    copies = layer_copies(traced.graph)
+    copies = layer_copies(traced.graph, traced_representatives(traced))
     kept_by: dict[str, list[_Kept]] = {}
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake, torch.autocast("cpu", dtype=compute), _Casts(owner) as casts:
@@ -215,7 +216,7 @@ def _saved(traced: TracedModel, precision: str) -> AutocastSaved | None:
             copied = copies.representative.get(node.name)
             kept: list[torch.Tensor] = []
             if copied is not None:
-                value = _like(values[copied])
+                value = _like(values[copied], fake)
             else:
 
                 def pack(tensor: torch.Tensor, kept: list[torch.Tensor] = kept) -> torch.Tensor:
@@ -248,17 +249,23 @@ def _saved(traced: TracedModel, precision: str) -> AutocastSaved | None:
     )
 
 
-def _like(value: Any) -> Any:
-    """New fake tensors shaped as ``value``'s (a gradient wanted where it was)."""
+def _like(value: Any, mode: FakeTensorMode) -> Any:
+    """New fake tensors shaped as ``value``'s (a gradient wanted where it was), made around
+    meta tensors outside the modes: through them a tensor took 0.3 ms, a third of this run
+    on a model of 96 layers."""
 
     def one(tensor: torch.Tensor) -> torch.Tensor:
-        made = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
+        with no_dispatch():
+            meta = torch.empty_strided(
+                tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta"
+            )
+        made = FakeTensor(mode, meta, torch.device("cpu"))
         return made.requires_grad_(tensor.requires_grad)
 
     if isinstance(value, torch.Tensor):
         return one(value)
     if isinstance(value, list | tuple):
-        return type(value)(_like(v) for v in value)
+        return type(value)(_like(v, mode) for v in value)
     return value
 
 

@@ -37,7 +37,7 @@ from autopar_passes.ilp import (
     objective_at,
     solve_ilp,
 )
-from autopar_passes.layer_sharing import layer_representatives
+from autopar_passes.layer_sharing import traced_representatives
 from autopar_passes.mixed_precision import (
     MIXED,
     AutocastSaved,
@@ -264,7 +264,7 @@ def _solve(
     request = replace(request, mesh=mesh)
     choices, warnings = graph_choices(traced.graph, mesh.shape)
     tied = {node: info.nodes[0] for info in traced.params.values() for node in info.nodes[1:]}
-    decisions = group_decisions(choices, layer_representatives(traced.graph), tied)
+    decisions = group_decisions(choices, traced_representatives(traced), tied)
     representatives = decisions.representatives
     allowed = allowed_choices(decisions, request.constraints(mesh))
     for decision, ok in allowed.items():

@@ -21,7 +21,7 @@ from autopar_passes.costs import CostModel, fsdp_group_shares
 from autopar_passes.decisions import Decisions, group_decisions
 from autopar_passes.hints import ResolvedHints, forbidden_choices, hint_rules
 from autopar_passes.ilp import GroupCall, IlpProblem
-from autopar_passes.layer_sharing import layer_representatives
+from autopar_passes.layer_sharing import traced_representatives
 from autopar_passes.mixed_precision import autocast_saved, working_cast_nodes
 from autopar_passes.plan_build import expand_layout
 from autopar_passes.problem import ProblemParts, build_problem
@@ -74,7 +74,7 @@ def explain(
     solved_mesh = grouped_mesh(mesh, groups)
     choices, _ = graph_choices(traced.graph, solved_mesh.shape)
     tied = {n: info.nodes[0] for info in traced.params.values() for n in info.nodes[1:]}
-    decisions = group_decisions(choices, layer_representatives(traced.graph), tied)
+    decisions = group_decisions(choices, traced_representatives(traced), tied)
     representatives = decisions.representatives
     node, what = _find_target(plan, traced, target)
     chosen = _plan_choices(plan, decisions, groups, mesh)
