@@ -73,13 +73,17 @@ def _result(runs: dict[int, list[list[dict]]], case: str) -> tuple[dict, list[di
     return by_rank[0], by_rank
 
 
-def _planned(runs: dict, case: str, expected: dict[str, int], expert_layout: str) -> dict:
-    """Rank 0's result of ``case``, after checking its degrees and every layer's w_gate."""
+def _planned(
+    runs: dict, case: str, expected: dict[str, int], expert_layout: str | tuple[str, ...]
+) -> dict:
+    """Rank 0's result of ``case``, after checking its degrees and every layer's w_gate
+    (one of ``expert_layout`` where the solver may take any of several, each as fast)."""
     result, _ = _result(runs, case)
     for key, value in expected.items():
         assert result["parallelism"][key] == value, key
+    allowed = (expert_layout,) if isinstance(expert_layout, str) else expert_layout
     layers = [n for n in result["expert_layouts"] if n.endswith("experts.w_gate")]
-    assert layers and all(result["expert_layouts"][n] == expert_layout for n in layers)
+    assert layers and all(result["expert_layouts"][n] in allowed for n in layers)
     return result
 
 
@@ -129,15 +133,16 @@ def test_sparse_block_has_rules_for_every_op(runs: dict) -> None:
     ("case", "expected", "expert_layout"),
     [
         ("top2/dp", {"ep": 1, "dp": 4}, "[R]"),
-        # stored split over all 4 (ZeRO-3), on the expert dim as it happens, but gathered
-        # whole where used: every device still runs every expert
-        ("top2/fsdp", {"ep": 1, "dp": 4, "zero": 3}, "[S(0)]"),
+        # stored split over all 4 (ZeRO-3), on any dim (the same bytes gathered: a tie the
+        # solver breaks as it will), but gathered whole where used: every device still
+        # runs every expert
+        ("top2/fsdp", {"ep": 1, "dp": 4, "zero": 3}, ("[S(0)]", "[S(1)]", "[S(2)]")),
         # each expert's d_ff split on the tp axis (column), never the expert dim
         ("top2/dp x tp+sp", {"ep": 1, "dp": 2, "tp": 2, "sp": 2}, "[R, S(2)]"),
     ],
 )
 def test_the_baselines_styles_keep_every_expert_on_every_device(
-    runs: dict, case: str, expected: dict[str, int], expert_layout: str
+    runs: dict, case: str, expected: dict[str, int], expert_layout: str | tuple[str, ...]
 ) -> None:
     result = _planned(runs, case, expected, expert_layout)
     assert result["estimate"]["collectives"].get("all_to_all", 0) == 0
