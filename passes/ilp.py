@@ -457,7 +457,9 @@ def solve_ilp(
 
     beat_this = cutoff is not None or work_cutoff is not None
     limit = WorkLimit.of(time_limit, beat_this)
-    result = model.solve(CLOCK_FACTOR * time_limit, backend, dict(SOLVER_OPTIONS), limit)
+    bounded = problem.memory_limit is not None or bool(problem.recompute)
+    presolve = PRESOLVE_ON if bounded and not beat_this else PRESOLVE_OFF
+    result = model.solve(CLOCK_FACTOR * time_limit, backend, dict(presolve), limit)
     elapsed = time.perf_counter() - start
     gave_up = limit.fired == "gave up"
     feasible = result.has_solution and not gave_up
@@ -672,14 +674,18 @@ def _add_edge(
     return pairs
 
 
-# HiGHS's options for every solve: presolve off. Measured on every MIP the quality
-# benchmark solves for llama3-8b on 8x8 (63 problems, each solved both ways with the same
-# status and objective): 113.5 s of HiGHS with presolve, 57.2 s without; the proofs that
-# nothing beats a cutoff went from 1.5-10 s to 0.5-1.1 s. One problem, which branches,
-# went from 7 s to 23 s. gpt3-13b on 8x8: 4.2 s to 2.6 s; llama3-8b with 96 layers without
-# a pipeline: 6.9 s to 2.4 s. (Probing alone, with presolve on, once took a minute on
-# llama-tiny 4x2 with a cutoff row over the whole objective.)
-SOLVER_OPTIONS = {"presolve": "off"}
+# HiGHS's presolve, off where it costs more than it saves: in the proofs that nothing beats
+# a cutoff and the solves with memory set aside, on for the solves without a cutoff that
+# bound memory or choose recomputation. Measured on every MIP the quality benchmark solves
+# for llama3-8b on 8x8 (63 problems, each solved both ways with the same status and
+# objective): 105 s of HiGHS with presolve, 52 s without, 53 s by this rule; the proofs
+# went from 1.5-10 s to 0.5-1.1 s. llama3-70b on 8x8 (159 problems): 210.6 s to 130.5 s
+# without. An unbounded solve with recomputation forced by hints (llama-tiny,
+# ``tests/passes/test_hints.py``) took 114 s without presolve and 6 s with it. (Probing
+# alone, with presolve on, once took a minute on llama-tiny 4x2 with a cutoff row over
+# the whole objective: it stays off.)
+PRESOLVE_OFF = {"presolve": "off"}
+PRESOLVE_ON = {"presolve_rule_off": 1 << 15}  # probing off
 
 
 # The solver stops by the work it has done, not by the clock, so the same problem gives the
