@@ -27,7 +27,7 @@ from autopar.options import PlanOptions
 from autopar.replan import keep_pinned
 from autopar.runtime.faults import DEFAULT_TIMEOUT_S
 from autopar.runtime.precision import check_precision, run_precision
-from autopar_passes.pipeline.search import PipelineRequest, Progress
+from autopar_passes.pipeline.search import PipelineRequest, Progress, silent
 from autopar_passes.solve import Constraint, SolveRequest, no_constraints
 from autopar_passes.trace import TracedModel, trace
 from autopar_plans.errors import AutoparError, PlanWarning, UsageError
@@ -96,7 +96,7 @@ def _plan(
     preset = load_preset(mesh.device)
     options = _with_reduction(options_with_hints(options))
     groups = options.batch_norm_groups(mesh)
-    say = progress or (lambda _: None)
+    say = progress or silent
     say("tracing the model")
     traced = trace(model, example_inputs, example_kwargs, batch_norm_groups=groups)
     say(f"traced {len(traced.graph.nodes)} nodes in {traced.trace_seconds:.1f} s")

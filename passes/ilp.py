@@ -701,6 +701,7 @@ PRESOLVE_ON = {"presolve_rule_off": 1 << 15}  # probing off
 # ``CLOCK_FACTOR`` times its budget, a last resort, and a plan it decided says so
 # (``autopar_passes.solve``).
 CHECKS_PER_SECOND = 10 / 3
+WORK_LIMIT = "work limit"  # what a report's status says when the work limit stopped it
 CLOCK_FACTOR = 3.0
 
 
@@ -733,14 +734,14 @@ class WorkLimit:
             self.fired = "gave up"
         elif self.checks > self.most:
             into.user_interrupt = True
-            self.fired = "work limit"
+            self.fired = WORK_LIMIT
 
 
 def _status(result: MipResult, limit: WorkLimit) -> str:
     if limit.fired == "gave up":
         return f"gave up: no plan under the cutoff in {limit.give_up:,} solver checkpoints"
-    if limit.fired == "work limit":
+    if limit.fired == WORK_LIMIT:
         if result.has_solution:
-            return f"feasible (work limit of {limit.most:,} solver checkpoints; best found)"
-        return f"not solved (work limit of {limit.most:,} solver checkpoints)"
+            return f"feasible ({WORK_LIMIT} of {limit.most:,} solver checkpoints; best found)"
+        return f"not solved ({WORK_LIMIT} of {limit.most:,} solver checkpoints)"
     return result.status

@@ -20,6 +20,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 from autopar_passes.annotation import META_KEY
 from autopar_passes.layer_sharing import LayerCopies, layer_copies, traced_representatives
@@ -262,11 +263,7 @@ def _like(value: Any, mode: FakeTensorMode) -> Any:
         made = FakeTensor(mode, meta, torch.device("cpu"))
         return made.requires_grad_(tensor.requires_grad)
 
-    if isinstance(value, torch.Tensor):
-        return one(value)
-    if isinstance(value, list | tuple):
-        return type(value)(_like(v, mode) for v in value)
-    return value
+    return tree_map_only(torch.Tensor, one, value)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from autopar_passes.costs import CostModel, fsdp_group_shares, gradient_bytes, s
 from autopar_passes.decisions import Decisions, group_decisions
 from autopar_passes.ilp import (
     CLOCK_FACTOR,
+    WORK_LIMIT,
     IlpProblem,
     cannot_beat,
     dominates,
@@ -336,7 +337,7 @@ def _solve(
         )
         if solution.timed_out and (cutoff is not None or request.work_cutoff is not None):
             return None  # nothing better than the plan in hand found in time: keep that one
-        by_work = "work limit" in solution.report.status
+        by_work = WORK_LIMIT in solution.report.status
         if solution.timed_out:
             limit = "work" if by_work else "time, by the clock,"
             raise InfeasiblePlanError(

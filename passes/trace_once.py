@@ -54,6 +54,7 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autopar_passes.layers import LayerContainer, module_path
+from autopar_passes.probe import storage_id, tensor_leaves
 
 TRACED = 3  # layers exported: the first, and two to compare
 MIN_LAYERS = 5  # below this the full export is about as fast
@@ -72,32 +73,25 @@ def export_layers_once(
     if found is None:
         return None
     path, layers = found
-    calls: dict[int, tuple[Any, list[Any], list[Any]]] = {}  # layer -> (spec, inputs, outputs)
+    calls: dict[int, tuple[Any, list[Any], Any]] = {}  # layer -> (spec, inputs, output)
 
     def recorded(index: int, run: Callable[..., Any]) -> Callable[..., Any]:
         def forward(*a: Any, **k: Any) -> Any:
             inputs, spec = tree_flatten((a, k))
-            out = run(*a, **k)
-            calls[index] = (spec, inputs, tree_flatten(out)[0])
-            return out
+            calls[index] = (spec, inputs, run(*a, **k))
+            return calls[index][2]
 
         return forward
 
     def stand_in(*a: Any, **k: Any) -> Any:
         # new tensors shaped as the last traced layer's outputs: the model's own code
         # around the layer calls runs as written, and shows in the graph
-        return tree_map_only(torch.Tensor, torch.empty_like, last_output[0])
+        return tree_map_only(torch.Tensor, torch.empty_like, calls[TRACED - 1][2])
 
-    last_output: list[Any] = []
     for index in range(1, len(layers)):
         layer = layers[index]
-        if index < TRACED:
-            run = layer.forward
-            if index == TRACED - 1:
-                run = _keeping(run, last_output)
-            layer.forward = recorded(index, run)  # type: ignore[method-assign]
-        else:
-            layer.forward = recorded(index, stand_in)  # type: ignore[method-assign]
+        run = layer.forward if index < TRACED else stand_in
+        layer.forward = recorded(index, run)  # type: ignore[method-assign]
     try:
         small = export(model, args, kwargs)
     except Exception:  # the full export says what is wrong, in its own words
@@ -112,26 +106,18 @@ def export_layers_once(
         return None
 
 
-def _keeping(run: Callable[..., Any], kept: list[Any]) -> Callable[..., Any]:
-    def forward(*a: Any, **k: Any) -> Any:
-        kept[:] = [run(*a, **k)]
-        return kept[0]
-
-    return forward
-
-
-def _check_calls(calls: dict[int, tuple[Any, list[Any], list[Any]]], count: int) -> None:
+def _check_calls(calls: dict[int, tuple[Any, list[Any], Any]], count: int) -> None:
     """Each layer from 3 on was called once, as layer 2 was, one layer on: where layer 2
     took layer 1's output, the layer before's; where it took anything else, the same."""
     if sorted(calls) != list(range(1, count)):
         raise _NotStamped("a layer was not called, or called again")
-    _, _, first_out = calls[1]
+    first_out = tree_flatten(calls[1][2])[0]
     spec, inputs, _ = calls[TRACED - 1]
     for index in range(TRACED, count):
         their_spec, theirs, _ = calls[index]
         if their_spec != spec or len(theirs) != len(inputs):
             raise _NotStamped(f"layer {index} is called differently")
-        previous_out = calls[index - 1][2]
+        previous_out = tree_flatten(calls[index - 1][2])[0]
         for mine, their in zip(inputs, theirs, strict=True):
             produced = [k for k, out in enumerate(first_out) if out is mine]
             if produced:
@@ -158,7 +144,7 @@ def _repeated_layers(model: nn.Module) -> tuple[str, list[nn.Module]] | None:
         return None
     _, _, path, container = min(found, key=lambda f: (f[0], f[1]))
     layers = list(container)
-    return (path, layers) if _identical(layers, model) else None
+    return (path, layers) if _identical(layers, model, path) else None
 
 
 def _global_hooks() -> bool:
@@ -174,7 +160,7 @@ def _global_hooks() -> bool:
     )
 
 
-def _identical(layers: list[nn.Module], model: nn.Module) -> bool:
+def _identical(layers: list[nn.Module], model: nn.Module, path: str) -> bool:
     """Whether the layers differ in nothing but their tensors' values (module docstring)."""
     shapes = [_structure(layer) for layer in layers]
     if shapes[0] is None or any(s != shapes[0] for s in shapes):
@@ -188,29 +174,22 @@ def _identical(layers: list[nn.Module], model: nn.Module) -> bool:
             continue
         if not all(isinstance(v, int) and v == i for i, v in enumerate(values)):
             return False  # differs, and is not the layer's own index
-    # a tensor shared between layers (or with the rest of the model) would be copied apart
-    owners: dict[int, int] = {}
-    for i, layer in enumerate(layers):
-        for tensor in [*layer.parameters(), *layer.buffers()]:
-            if owners.setdefault(id(tensor), i) != i:
-                return False
-    inside = set(owners)
-    layer_ids = {id(layer) for layer in layers}
-    for name, module in model.named_modules(remove_duplicate=False):
-        if id(module) in layer_ids or any(id(m) in layer_ids for m in _ancestors(model, name)):
-            continue
-        if any(id(t) in inside for t in [*module._parameters.values(), *module._buffers.values()]):
-            return False
-    return True
+    # a tensor shared between layers (or with the rest of the model) would be copied apart:
+    # every name of each layer's tensor lies in that layer
+    inside = {id(t): i for i, layer in enumerate(layers) for t in _tensors_of(layer)}
+    prefix = f"{path}." if path else ""
+    return all(
+        name.startswith(f"{prefix}{inside[id(tensor)]}.")
+        for name, tensor in [
+            *model.named_parameters(remove_duplicate=False),
+            *model.named_buffers(remove_duplicate=False),
+        ]
+        if id(tensor) in inside
+    )
 
 
-def _ancestors(model: nn.Module, name: str) -> list[nn.Module]:
-    parts = name.split(".") if name else []
-    found, module = [], model
-    for part in parts[:-1]:
-        module = module._modules[part]  # type: ignore[assignment]
-        found.append(module)
-    return found
+def _tensors_of(module: nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
 
 
 def _structure(layer: nn.Module) -> tuple[Any, ...] | None:
@@ -418,18 +397,20 @@ class _Fakes:
             where = split.position(node)
             for k, tensor in enumerate(_tensors(node)):
                 owner = (where[0], where[1], k) if where and where[0] > 0 else None
-                self.owner.setdefault(_storage(tensor), owner)
+                self.owner.setdefault(storage_id(tensor), owner)
         self.bases: dict[tuple[int, int], torch.Tensor] = {}  # (copy, storage) -> meta base
 
     def copied(self, copy_index: int, node: torch.fx.Node) -> Any:
         """The value of layer 2's ``node`` in copy ``copy_index``."""
-        return _map_tensors(node.meta.get("val"), lambda t: _view(self._source(copy_index, t), t))
+        return tree_map_only(
+            torch.Tensor, lambda t: _view(self._source(copy_index, t), t), node.meta.get("val")
+        )
 
     def kept(self, node: torch.fx.Node) -> Any:
         """The value of a node kept as traced: where it views a stand-in's output, the copy's."""
 
         def one(tensor: torch.Tensor) -> torch.Tensor:
-            owner = self.owner.get(_storage(tensor))
+            owner = self.owner.get(storage_id(tensor))
             if owner is None or owner[0] < TRACED:
                 return tensor
             layer, position, _ = owner
@@ -440,11 +421,11 @@ class _Fakes:
             ]
             return _view(self._source(layer, _tensors(stands_for)[0]), tensor)
 
-        return _map_tensors(node.meta.get("val"), one)
+        return tree_map_only(torch.Tensor, one, node.meta.get("val"))
 
     def _source(self, copy_index: int, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor on the storage that ``tensor`` (of layer 2) lives on in the copy."""
-        owner = self.owner.get(_storage(tensor))
+        owner = self.owner.get(storage_id(tensor))
         if copy_index == TRACED - 1 or owner is None:
             return tensor
         layer, position, k = owner
@@ -455,7 +436,7 @@ class _Fakes:
             raise _NotStamped("a view of a later layer")
         if self.split.nodes[layer][position].op == "placeholder":
             return _tensors(self.split.nodes[copy_index][position])[k]
-        key = (copy_index, _storage(tensor))
+        key = (copy_index, storage_id(tensor))
         if key not in self.bases:
             elements = tensor.untyped_storage().nbytes() // tensor.element_size()
             self.bases[key] = torch.empty_strided(
@@ -477,24 +458,7 @@ def _view(source: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def _tensors(node: torch.fx.Node) -> list[torch.Tensor]:
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, list | tuple):
-        return [v for v in val if isinstance(v, torch.Tensor)]
-    return []
-
-
-def _storage(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
-
-
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, list | tuple):
-        return type(value)(_map_tensors(v, fn) for v in value)
-    return value
+    return tensor_leaves(node.meta.get("val"))
 
 
 class _Builder:

@@ -82,7 +82,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 Progress = Callable[[str], None]
 
 
-def _silent(_: str) -> None:
+def silent(_: str) -> None:
     """No progress shown."""
 
 
@@ -105,7 +105,7 @@ class PipelineRequest:
     # dim): microbatches smaller than a stage's devices (``_small_sizes``); None: only the
     # sizes the example's trace scales to
     retrace: Callable[[int], TracedModel] | None = None
-    progress: Progress = _silent
+    progress: Progress = silent
 
 
 @dataclass(frozen=True)
