@@ -517,12 +517,21 @@ Inputs = TypeVar("Inputs", tuple[Any, ...], dict[str, Any])
 
 def microbatch_inputs(inputs: Inputs, batch: int, size: int) -> Inputs:
     """The first microbatch of ``size`` of every input (positional, or keyword) whose dim 0
-    is the ``batch``: what the program of a plan with that microbatch size is traced on."""
+    is the ``batch``: what the program of a plan with that microbatch size is traced on. A
+    ``size`` larger than the example's (a multiple of it) repeats the example: the search
+    plans one sequence per node from an example of one (``autopar_passes.pipeline.search``)."""
     if not batch or size == batch:
         return inputs
+    if size > batch and size % batch:
+        raise UsageError(
+            f"a microbatch of {size} from example inputs of batch {batch}: pass example "
+            "inputs whose batch divides it"
+        )
 
     def first(a: Any) -> Any:
         if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch:
+            if size > batch:
+                return a.repeat(size // batch, *[1] * (a.dim() - 1))
             return a[:size]
         return a
 

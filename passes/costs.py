@@ -135,6 +135,9 @@ class CostModel:
     # activations of a microbatch of (batch_scale x) the traced batch: what memory needs
     # when the search runs smaller microbatches than were traced (autopar_passes.pipeline.search)
     batch_scale: float = 1.0
+    # of those, the microbatches in flight: what is kept once per microbatch whatever its
+    # size (autocast's copies of a weight it casts anew each call, ``weight_copies``)
+    in_flight: float = 1.0
     # what fills one gradient-sync bucket: DDP's 25 MiB, or the whole model's gradients
     # when they are fewer (``bucketed``)
     bucket_bytes: float = BUCKET_BYTES
@@ -255,9 +258,14 @@ class CostModel:
         The runtime makes none where it holds the weight in the compute dtype already: a
         parameter only matmuls read (``working_cast``) is gathered in it (FSDP) and held in
         it as ZeRO's working copy; read as stored, it is the fp32 parameter, cast by
-        autocast."""
+        autocast. One copy: how many are held at once is ``weight_copies``."""
         if param in self.working_cast:
-            gathered = any(isinstance(s, Shard) and s != d for s, d in zip(src, dst, strict=True))
+            # (an axis of one device gathers nothing: a stage of one device reads the fp32
+            # weight as stored, and autocast casts it)
+            gathered = any(
+                isinstance(s, Shard) and s != d and size > 1
+                for s, d, size in zip(src, dst, self.mesh_shape, strict=True)
+            )
             zero_layout = zero_layout_of(src, info.shape, self.mesh_shape)
             held_cast = self.zero and zero_layout.shard_factor(self.mesh_shape) > src.shard_factor(
                 self.mesh_shape
@@ -265,6 +273,14 @@ class CostModel:
             if gathered or held_cast:
                 return 0.0
         return info.numel * self.compute_itemsize / dst.shard_factor(self.mesh_shape)
+
+    def weight_copies(self, param: str, op: str) -> float:
+        """How many of autocast's copies of ``param`` kept by ``op`` are held at once: one
+        where autocast caches the cast (of the parameter itself, once a step: one autocast
+        context runs a step's microbatches), one per microbatch in flight where it casts a
+        view of it anew at each call (``AutocastSaved.call_casts``: an einsum's operand)."""
+        found = self.autocast_saved
+        return self.in_flight if found is not None and (param, op) in found.call_casts else 1.0
 
     def edge_time(
         self,

@@ -192,12 +192,17 @@ def resolve_hints(hints: Hints, traced: TracedModel, mesh: MeshSpec) -> Resolved
     line and hint, with the closest real names for a name that matches nothing."""
     _check_mesh(hints, mesh)
     layers = traced.layers.count if traced.layers else 0
+    _check_pipeline(hints, mesh, layers)
     names = _param_names(traced)
     modules = _module_paths(traced)
     resolved = ResolvedHints(hints, mesh, {}, _weighted_ops(traced), layers)
+    # a layout divides a stage's mesh, where the hints fix the stages: with 35 stages on 315
+    # nodes, "node" spans the 9 nodes of a stage
+    stages = hints.pipeline.stage_count if hints.pipeline is not None else None
+    stage_mesh = (mesh.stage_mesh(stages) if stages else None) or mesh
     for hint in hints.items():
         if hint.kind in ("shard", "replicate"):
-            resolved.targets[hint] = _targets(hint, traced, mesh, names, modules)
+            resolved.targets[hint] = _targets(hint, traced, stage_mesh, names, modules)
         elif hint.kind == "ban":
             _check_axis(hint, hint.pattern, mesh)
         elif hint.kind in ("recompute", "no_recompute"):
@@ -205,7 +210,6 @@ def resolve_hints(hints: Hints, traced: TracedModel, mesh: MeshSpec) -> Resolved
             if not matched:
                 raise HintError(_no_match(hint, "module", modules))
             resolved.recompute[hint] = matched
-    _check_pipeline(hints, mesh, layers)
     return resolved
 
 

@@ -142,6 +142,10 @@ class AutocastSaved:
     - ``internal_bytes``: what an op keeps that is neither (statistics, masks);
     - ``weight_casts``: (parameter, op) pairs where the op keeps autocast's 16-bit copy of
       an fp32 parameter (``CostModel.weight_cast_bytes`` says when the runtime makes it);
+    - ``call_casts``: those of them copied from a view of the parameter (an einsum's
+      operand as it decomposes, say), which autocast casts anew at every call: its cache
+      holds casts of leaf tensors only, so one copy per microbatch in flight, where a cast
+      of the parameter itself is made once a step;
     - ``output_dtypes``: the dtype of a node's floating outputs under autocast, where they
       share one (a residual sum stays fp32; a matmul's is bf16): what a reshard of it moves,
       as ``autocast_dtypes`` tells the ledger.
@@ -152,6 +156,7 @@ class AutocastSaved:
     internal_bytes: dict[str, int] = field(default_factory=dict)
     weight_casts: frozenset[tuple[str, str]] = frozenset()
     output_dtypes: dict[str, str] = field(default_factory=dict)
+    call_casts: frozenset[tuple[str, str]] = frozenset()
 
 
 class _Casts(TorchDispatchMode):
@@ -164,6 +169,7 @@ class _Casts(TorchDispatchMode):
         # the copies themselves: a storage freed could be reused at the same address by a
         # later tensor, which would then pass for a copy (fake tensors: no memory held)
         self.copies: list[torch.Tensor] = []
+        self.of_view: set[int] = set()  # copies made from a view (not cached by autocast)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -172,6 +178,8 @@ class _Casts(TorchDispatchMode):
             if source is not None and isinstance(out, torch.Tensor):
                 self.cast_of[storage_id(out)] = source
                 self.copies.append(out)
+                if not args[0].is_leaf:
+                    self.of_view.add(storage_id(out))
         return out
 
 
@@ -193,6 +201,7 @@ def _saved(traced: TracedModel, precision: str) -> AutocastSaved | None:
     values: dict[str, object] = {}
     found = AutocastSaved()
     weight_casts: set[tuple[str, str]] = set()
+    call_casts: set[tuple[str, str]] = set()
     # an op of a layer identical to an earlier one is not run: it keeps what its
     # representative keeps, one layer on (``LayerCopies``), and its value is a new tensor
     # shaped as the representative's (what the ops after the layers read and keep)
@@ -235,18 +244,19 @@ def _saved(traced: TracedModel, precision: str) -> AutocastSaved | None:
             if copied is not None:
                 events = [e.moved(copies, node.name) for e in kept_by[copied]]
             else:
-                events = kept_by[node.name] = _classify(kept, owner, casts.cast_of, params)
+                events = kept_by[node.name] = _classify(kept, owner, casts, params)
             floating = {str(t.dtype) for t in tensor_leaves(value) if t.is_floating_point()}
             if len(floating) == 1:
                 found.output_dtypes[node.name] = floating.pop().removeprefix("torch.")
             for event in events:
-                event.record(node.name, live, found, weight_casts)
+                event.record(node.name, live, found, weight_casts, call_casts)
     return AutocastSaved(
         found.output_bytes,
         found.cast_bytes,
         found.internal_bytes,
         frozenset(weight_casts),
         found.output_dtypes,
+        frozenset(call_casts),
     )
 
 
@@ -269,7 +279,8 @@ def _like(value: Any, mode: FakeTensorMode) -> Any:
 @dataclass(frozen=True)
 class _Kept:
     """One storage an op keeps for backward: the value of ``source`` (``kind`` "output"),
-    a 16-bit copy of it ("cast"; of a parameter, "weight"), or neither ("internal")."""
+    a 16-bit copy of it ("cast"; of a parameter, "weight", or "call_weight" where made
+    from a view of it, anew each call), or neither ("internal")."""
 
     kind: str
     source: str
@@ -284,14 +295,21 @@ class _Kept:
         return _Kept(self.kind, source, self.nbytes)
 
     def record(
-        self, op: str, live: set[str], found: AutocastSaved, weight_casts: set[tuple[str, str]]
+        self,
+        op: str,
+        live: set[str],
+        found: AutocastSaved,
+        weight_casts: set[tuple[str, str]],
+        call_casts: set[tuple[str, str]],
     ) -> None:
         """Count it in ``found`` (placeholders are held anyway; a value once)."""
         if self.kind == "output":
             if self.source not in live and self.source not in found.output_bytes:
                 found.output_bytes[self.source] = self.nbytes
-        elif self.kind == "weight":
+        elif self.kind in ("weight", "call_weight"):
             weight_casts.add((self.source, op))
+            if self.kind == "call_weight":
+                call_casts.add((self.source, op))
         elif self.kind == "cast" and self.source not in live:
             found.cast_bytes[self.source] = found.cast_bytes.get(self.source, 0) + self.nbytes
         else:
@@ -299,7 +317,7 @@ class _Kept:
 
 
 def _classify(
-    kept: list[torch.Tensor], owner: dict[int, str], cast_of: dict[int, str], params: set[str]
+    kept: list[torch.Tensor], owner: dict[int, str], casts: _Casts, params: set[str]
 ) -> list[_Kept]:
     """What an op kept, each storage once, by what it holds (``_Kept``)."""
     found: list[_Kept] = []
@@ -314,9 +332,10 @@ def _classify(
         if source is not None:
             found.append(_Kept("output", source, nbytes))
             continue
-        source = cast_of.get(storage)
+        source = casts.cast_of.get(storage)
         if source in params:
-            found.append(_Kept("weight", source, 0))
+            kind = "call_weight" if storage in casts.of_view else "weight"
+            found.append(_Kept(kind, source, 0))
         elif source is not None:
             found.append(_Kept("cast", source, nbytes))
         else:

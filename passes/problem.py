@@ -409,8 +409,11 @@ def _edge_costs(
                     memory_m[(p, q)] = times * copy_bytes(
                         cost, info, src, dst, sole.get(producer) == consumer
                     )
-                if casts:  # autocast's 16-bit copy of the weight, kept by the consumer
-                    cast_m[(p, q)] = times * cost.weight_cast_bytes(info, src, dst, producer)
+                if casts:  # autocast's 16-bit copies of the weight, kept by the consumer
+                    copies = cost.weight_copies(producer, consumer)
+                    cast_m[(p, q)] = (
+                        times * copies * cost.weight_cast_bytes(info, src, dst, producer)
+                    )
         edge_index = None if left == right else len(parts.edge_terms)
         if memory_m:
             parts.kept_copies[key] = PairTerm(

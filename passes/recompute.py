@@ -429,22 +429,27 @@ def recompute_budgets(regions: list[Region]) -> list[RecomputeBudget]:
 
 
 def chosen_layers(regions: list[Region], counts: dict[str, int]) -> dict[str, tuple[int, ...]]:
-    """Which layers each region recomputes, given how many (the ILP's counts): the full
-    layer the first layers of its class; a group of selective regions sharing ops the last
-    ones, one region after another back from the end, so that no two regions that cannot
-    share a layer meet (their counts fit the copies: ``recompute_budgets``)."""
+    """Which layers each region recomputes, given how many (the ILP's counts): all at the
+    front of the class, where a 1F1B pipeline's first stage holds the most microbatches in
+    flight (``min(p - s, m)`` at stage ``s``; without a pipeline every layer holds the same,
+    so the place is free). The full layer takes the first layers of its class; each group
+    of selective regions sharing ops the layers after those, one region after another, so
+    that no two regions that cannot share a layer meet (their counts fit the copies:
+    ``recompute_budgets``)."""
     chosen: dict[str, tuple[int, ...]] = {}
     for members in _classes(regions).values():
         layers = sorted(members[0].copies)
+        start = 0
         for region in members:
             if region.kind == "full":
-                chosen[region.name] = tuple(layers[: counts.get(region.name, 0)])
+                start = counts.get(region.name, 0)
+                chosen[region.name] = tuple(layers[:start])
         for group in _exclusive_groups(members):
-            end = len(layers)
+            first = start
             for region in group:
                 count = counts.get(region.name, 0)
-                chosen[region.name] = tuple(layers[end - count : end])
-                end -= count
+                chosen[region.name] = tuple(layers[first : first + count])
+                first += count
     return {name: layers for name, layers in chosen.items() if layers}
 
 

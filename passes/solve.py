@@ -95,6 +95,7 @@ class SolveRequest:
     zero_levels: tuple[int, ...] = (0, 1, 2)
     microbatches: int = 1  # per step: weighs per-microbatch time against per-step sync
     batch_scale: float = 1.0  # activations' share of the traced batch (see CostModel)
+    in_flight: float = 1.0  # microbatches held at once, of those in batch_scale (CostModel)
     recompute_hints: tuple[RecomputeHint, ...] = ()  # forced or forbidden (hints)
     # the caller found the fastest plan too large already: solve under the limit directly
     known_unfit: bool = False
@@ -293,6 +294,7 @@ def _solve(
             request.precision,
             zero,
             batch_scale=request.batch_scale,
+            in_flight=request.in_flight,
             bucket_bytes=bucket,
             bucket_cap=cap,
             working_cast=working_cast,

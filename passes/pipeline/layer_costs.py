@@ -13,7 +13,7 @@ sides (a tied embedding and head) is counted on both: both stages hold a copy.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -59,6 +59,12 @@ class Part:
     # its size, and not hidden (the runtime gathers a parameter when it is used)
     gather_s: float = 0.0
     activations: float = 0.0  # saved bytes, one microbatch
+    # autocast's 16-bit copies of fp32 weights the part's matmuls keep: cast once a step,
+    # whatever the microbatches in flight (one autocast context around the schedule caches
+    # them, ``autopar.runtime.compiled``), and held to its end
+    casts: float = 0.0
+    # those autocast casts anew at each call (a view of the weight), one microbatch
+    call_casts: float = 0.0
     states: float = 0.0  # parameters + gradients + optimizer states
     # the three apart, as ``autopar_plans.MemoryBreakdown`` reports them: (params, grads, optimizer)
     state_terms: tuple[float, float, float] = (0.0, 0.0, 0.0)
@@ -127,6 +133,16 @@ class Part:
         return self._at[scale]
 
 
+def held_activations(parts: Sequence[Part], in_flight: float, scale: float) -> float:
+    """Device bytes a stage of ``parts`` holds for backward at its peak: ``in_flight``
+    microbatches of ``scale`` times the traced batch, autocast's weight copies (once, or
+    once per microbatch where it casts them at each call), and offloaded parameters'
+    working copies in flight (``fetch_transient``)."""
+    per_microbatch = sum(scale * part.activations + part.call_casts for part in parts)
+    once = sum(part.casts for part in parts)
+    return in_flight * per_microbatch + once + fetch_transient(parts)
+
+
 def fetch_transient(parts: Iterable[Part]) -> float:
     """Device bytes of offloaded parameters' working copies in flight on a stage of
     ``parts``: the part in use and the one prefetched, taken as twice the largest
@@ -166,7 +182,9 @@ def layer_costs(
     (``autopar_passes.mixed_precision.autocast_dtypes``)."""
     container = traced.layers
     count = container.count if container else 0
-    cost = replace(solved.cost, batch_scale=1.0)  # per traced microbatch; the search scales
+    cost = replace(
+        solved.cost, batch_scale=1.0, in_flight=1.0
+    )  # per traced microbatch; the search scales
     parts = [Part(cost=cost) for _ in range(count)]
     pre, post = Part(cost=cost), Part(cost=cost)
     first_layer_seen = False
@@ -281,9 +299,11 @@ def layer_costs(
                 found = cost.autocast_saved
                 if found is not None and (source.producer, node.name) in found.weight_casts:
                     info = producer.note.outputs[source.index]
-                    part.activations += cost.weight_cast_bytes(
-                        info, src, strategy.inputs[i], source.producer
-                    )
+                    copy = cost.weight_cast_bytes(info, src, strategy.inputs[i], source.producer)
+                    if (source.producer, node.name) in found.call_casts:
+                        part.call_casts += copy
+                    else:
+                        part.casts += copy
                 continue
             part.comm_s += f + b
             part.edges.append((*reshard, node.op == "output"))
@@ -305,7 +325,8 @@ def layer_costs(
         parts[layer].recompute_s += forward
     if cost.offload.activations:  # what each part saves is held on the host
         for part in (pre, *parts, post):
-            part.host_activations, part.activations = part.activations, 0.0
+            part.host_activations = part.activations + part.casts + part.call_casts
+            part.activations = part.casts = part.call_casts = 0.0
     if autocast is None:
         autocast = autocast_dtypes(traced, solved.cost.precision)
     for index, part in enumerate(parts):

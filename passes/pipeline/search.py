@@ -13,7 +13,10 @@ scaling what grows with the batch (compute, activations, resharding of activatio
 ``b / B``; the runtime traces again at ``b``. Below a stage's devices the plan at ``B``
 would not divide (its batch split no longer fits), so those sizes, from one sequence per
 node of a stage upward, are planned on the model traced again at the smallest of them
-(``PipelineRequest.retrace``; ``_small_sizes``) and scaled up from there.
+(``PipelineRequest.retrace``; ``_small_sizes``) and scaled up from there. An example
+smaller than a stage's nodes (a preset's one sequence) cannot split the batch across them
+at all: one sequence per node, and without a pipeline one per device, are planned on the
+model traced again at that size too (``_large_sizes``).
 ``global_batch / b`` microbatches make a step. ``p = 1`` is plain gradient accumulation
 (schedule ``none``), so a pipeline is chosen only when it beats not having one.
 
@@ -46,8 +49,8 @@ from autopar_passes.offload_ledger import stage_host
 from autopar_passes.pipeline.layer_costs import (
     LayerCosts,
     Part,
-    fetch_transient,
     first_calls,
+    held_activations,
     layer_costs,
 )
 from autopar_passes.pipeline.ledger import pipeline_ledger, with_pipeline_ledger
@@ -142,6 +145,7 @@ class Candidate:
     stage_state_terms: tuple[tuple[float, float, float], ...] = ()
     optimizer_s: float = 0.0  # the optimizer's step on the stage that sets the step's end
     stage_compute: tuple[float, ...] = ()  # forward + backward compute per microbatch
+    stage_recompute: tuple[float, ...] = ()  # forward run again in backward, per microbatch
 
     def describe(self) -> Parallelism:
         return Parallelism(
@@ -174,29 +178,41 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
     counts = _stage_counts(mesh, layers, request)
     for i, p in enumerate(counts):
         stage_mesh = _stage_mesh(mesh, p)
+        sources = []
         sizes = _microbatch_sizes(request, stage_mesh)
-        if not sizes:
-            continue
-        source = Source(traced, request.traced_batch, tuple(sizes))
-        request.progress(
-            f"{_stages(p)} ({i + 1} of {len(counts)}): fastest layouts{search.best_words()}"
-        )
-        solved = search.solve(p, None, source)
-        if solved is None:
-            continue
-        fits = search.cost(p, solved, source) > 0
-        # without a pipeline a smaller microbatch only holds fewer activations: worth
-        # tracing again only when the example's does not fit
-        small = _small_sizes(request, stage_mesh, sizes) if p > 1 or not fits else ()
-        if (fits and not small) or (not fits and limit is None):
-            continue
-        work = _least_work(solved, mesh, p, request.solve.time_limit)
-        if not fits:
-            pending.append((work * _bubble_factor(p, sizes, layers, request) / p, p, source))
-        if small:
-            # the least work per sequence is no less at a smaller microbatch (the roofline
-            # scales with the batch at best, and fewer layouts divide it)
-            pending.append((work * _bubble_factor(p, list(small), layers, request) / p, p, small))
+        if sizes:
+            sources.append(Source(traced, request.traced_batch, tuple(sizes)))
+        for large in _large_sizes(request, stage_mesh, p):
+            request.progress(f"{_stages(p)}: tracing microbatches of {large}")
+            found = search.retrace([large])
+            if found is not None:
+                sources.append(found)
+        for source in sources:
+            request.progress(
+                f"{_stages(p)} ({i + 1} of {len(counts)}): fastest layouts{search.best_words()}"
+            )
+            solved = search.solve(p, None, source)
+            if solved is None:
+                continue
+            fits = search.cost(p, solved, source) > 0
+            # without a pipeline a smaller microbatch only holds fewer activations: worth
+            # tracing again only when the example's does not fit
+            small = (
+                _small_sizes(request, stage_mesh, list(source.sizes))
+                if source.traced is traced and (p > 1 or not fits)
+                else ()
+            )
+            if (fits and not small) or (not fits and limit is None):
+                continue
+            work = _least_work(solved, mesh, p, request.solve.time_limit)
+            bound = work * _bubble_factor(p, list(source.sizes), layers, request) / p
+            if not fits:
+                pending.append((bound, p, source))
+            if small:
+                # the least work per sequence is no less at a smaller microbatch (the
+                # roofline scales with the batch at best, and fewer layouts divide it)
+                bound = work * _bubble_factor(p, list(small), layers, request) / p
+                pending.append((bound, p, small))
     for bound, p, entry in sorted(pending, key=lambda e: (e[0], e[1])):
         best = min((c.step_time_s for c in search.candidates), default=float("inf"))
         if bound > best:
@@ -363,6 +379,7 @@ class _Search:
             memory_limit=memory,
             microbatches=max(request.global_batch // source.batch, 1),
             batch_scale=in_flight * min(source.sizes) / source.batch,
+            in_flight=in_flight,
             known_unfit=memory is not None,
             work_cutoff=work_cutoff,
         )
@@ -522,6 +539,33 @@ def _small_sizes(
     return tuple(sorted(found, reverse=True))
 
 
+def _large_sizes(request: PipelineRequest, stage_mesh: MeshSpec, p: int) -> list[int]:
+    """Microbatches above the example's batch where it cannot split a stage's nodes (its
+    mesh's outer axis), each planned on the model traced again at that size (a preset's
+    example is one sequence):
+
+    - one sequence per node: Megatron's data parallelism across nodes, one sequence per
+      rank, tensor-parallel inside the node (Narayanan et al. 2021's 530B run: dp 9 x
+      tp 8 x pp 35 on 315 nodes of 8);
+    - without a pipeline, one sequence per device too: plain data parallelism (their 1.7B
+      run, dp 32). A pipeline's stages would get few microbatches of that size.
+
+    None where the example covers the nodes already, the search may not trace again, the
+    options fix the microbatches or the cut; only sizes that divide the global batch."""
+    traced = request.traced_batch
+    if (
+        request.retrace is None
+        or request.microbatches is not None
+        or request.cuts is not None
+        or traced >= stage_mesh.shape[0]
+    ):
+        return []
+    sizes = [stage_mesh.shape[0], stage_mesh.size] if p == 1 else [stage_mesh.shape[0]]
+    return sorted(
+        {size for size in sizes if size % traced == 0 and request.global_batch % size == 0}
+    )
+
+
 def _schedules(stages: int, layers: int, request: PipelineRequest) -> list[tuple[str, int]]:
     if stages == 1:
         return [("none", 1)]
@@ -574,7 +618,7 @@ def _evaluate(
         states = sum(part.states for part in parts) - _shared_states(costs)
         # offloaded parameters' working copies in flight are transient like activations
         # and held beside them (0 without): counted with them
-        activations = sum(part.activations for part in parts) * scale + fetch_transient(parts)
+        activations = held_activations(parts, 1.0, scale)
         first_sync, first_after = first_calls(parts)
         shared_sync, shared_after = _shared_sync(costs)
         sync = sum(part.sync_s for part in parts) - shared_sync + first_sync
@@ -606,6 +650,7 @@ def _evaluate(
             source,
             optimizer_s=optimizer,
             stage_compute=(forward + backward,),
+            stage_recompute=(sum(part.recompute_s for part in parts) * scale,),
         )
         return candidate if limit is None or memory <= limit else (memory, "no pipeline")
     p2p = _p2p_times(costs, mesh_cost, p, scale, chunks)
@@ -680,6 +725,7 @@ def _evaluate(
         tuple(zip(*terms, strict=True)),
         optimizers[last],
         tuple(f + b for f, b in zip(forwards, backwards, strict=True)),
+        tuple(_stage_values(costs, cut, p, chunks, lambda part: part.recompute_s * scale)),
     )
 
 
@@ -753,7 +799,7 @@ def _interleaved_cut(
     for s, parts in enumerate(_stage_parts(costs, None, p, v)):
         held = microbatches_in_flight("interleaved", p, s, m, v)
         state = sum(part.states for part in parts)
-        act = held * scale * sum(part.activations for part in parts)
+        act = held_activations(parts, held, scale)
         times.append(sum(part.time_at(scale) for part in parts) + p2p[s])
         states.append(state)
         acts.append(act)
@@ -1018,16 +1064,20 @@ def _estimate(base: Plan, best: Candidate, mesh: MeshSpec, traced_batch: int) ->
             total=states + best.stage_activations[0],
         )
     peak = peak_flops(best.solved.cost.mesh_cost.preset, best.solved.cost.compute_dtype) or 1.0
-    recompute = sum(region.recompute_s for region in base.recompute) * scale
-    # compute apart from recomputation, which the candidate's compute includes: the
+    # the stage that sets the pace (the slowest; the only one without a pipeline): its
+    # recomputation apart from its compute, which the candidate's times include. The
     # exposed communication is what is left, and the ledger's replaces it (``with_ledger``:
     # counted in compute_s but not apart, recomputation had left the step with the
-    # exposed figure it was mistaken for, llama3-8b on 1x8 4.4 s under its plan)
+    # exposed figure it was mistaken for, llama3-8b on 1x8 4.4 s under its plan). The
+    # regions' own figures sum every stage's (each runs its own layers'): 1,211 s for a
+    # 35-stage 530B step of 185 s.
+    pace = max(range(best.stages), key=lambda s: best.stage_times[s])
+    recompute = best.microbatches * best.stage_recompute[pace]
     compute = (
         best.microbatches * max(best.stage_times)
         if best.stages > 1
-        else best.microbatches * best.stage_compute[0] - recompute
-    )
+        else best.microbatches * best.stage_compute[0]
+    ) - recompute
     return old.model_copy(
         update={
             "step_time_s": best.step_time_s,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from autopar_cost_model.memory import microbatches_in_flight
 from autopar_cost_model.offload import FETCHES_IN_FLIGHT
-from autopar_passes.pipeline.layer_costs import LayerCosts, fetch_transient
+from autopar_passes.pipeline.layer_costs import LayerCosts, held_activations
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,8 @@ def cut_stages(
     time_sum = _prefix([layer.time_at(scale) for layer in costs.layers])
     state_sum = _prefix([layer.states for layer in costs.layers])
     act_sum = _prefix([layer.activations for layer in costs.layers])
+    cast_sum = _prefix([layer.casts for layer in costs.layers])
+    call_cast_sum = _prefix([layer.call_casts for layer in costs.layers])
 
     def stage(s: int, first: int, end: int, working: float) -> tuple[float, float]:
         """Time and memory of stage ``s`` holding layers ``first .. end - 1``, of which the
@@ -80,14 +82,20 @@ def cut_stages(
         time = time_sum[end] - time_sum[first] + p2p_s[s]
         states = state_sum[end] - state_sum[first]
         acts = act_sum[end] - act_sum[first]
+        casts = cast_sum[end] - cast_sum[first]
+        call_casts = call_cast_sum[end] - call_cast_sum[first]
         for edge, part in ((s == 0, costs.pre), (s == p - 1, costs.post)):
             if edge:
                 time += part.time_at(scale)
                 states += part.states
                 acts += part.activations
+                casts += part.casts
+                call_casts += part.call_casts
                 working = max(working, part.working)
-        # offloaded parameters' copies in flight: the part in use and the one prefetched
-        return time, states + held[s] * scale * acts + FETCHES_IN_FLIGHT * working
+        # as ``held_activations``, with offloaded parameters' copies in flight (the part in
+        # use and the one prefetched) from the running largest
+        held_bytes = held[s] * (scale * acts + call_casts) + casts + FETCHES_IN_FLIGHT * working
+        return time, states + held_bytes
 
     # slowest[s][i]: the least T_max of stages s .. p-1 holding layers i .. L-1 (inf: none
     # fits); after[s][i]: where stage s's layers end in that cut
@@ -147,8 +155,7 @@ def evaluate_cut(
             parts.append(costs.post)
         held = microbatches_in_flight(schedule, p, s, microbatches)
         state = sum(part.states for part in parts)
-        # offloaded parameters' copies in flight count with the activations (transient)
-        act = held * scale * sum(part.activations for part in parts) + fetch_transient(parts)
+        act = held_activations(parts, held, scale)
         times.append(sum(part.time_at(scale) for part in parts) + p2p_s[s])
         states.append(state)
         acts.append(act)

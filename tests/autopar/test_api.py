@@ -96,3 +96,22 @@ def test_progress_is_told_the_trace_and_each_candidate():
     assert told[2] == "no pipeline (1 of 2): fastest layouts"  # gpt-tiny's 2 layers: 1 or 2
     assert told[3].startswith("2 stages (2 of 2): fastest layouts; best ")
     assert told[3].endswith(" a step")
+
+
+def test_microbatch_inputs_cut_the_example_or_repeat_it_for_a_larger_microbatch():
+    """What a plan's program is traced on: the first ``size`` rows of every batch-major
+    input, or the example repeated where the search planned microbatches larger than it
+    (one sequence per node from a preset's one); other inputs pass as they are."""
+    from autopar.api import microbatch_inputs
+    from autopar_plans import UsageError
+
+    tokens = torch.arange(12).reshape(4, 3)
+    scale = torch.tensor([2.0])
+    (cut, same) = microbatch_inputs((tokens, scale), 4, 2)
+    assert torch.equal(cut, tokens[:2]) and same is scale
+    (grown,) = microbatch_inputs((tokens[:1],), 1, 3)
+    assert torch.equal(grown, tokens[:1].repeat(3, 1))
+    kwargs = microbatch_inputs({"idx": tokens}, 4, 8)
+    assert torch.equal(kwargs["idx"], torch.cat([tokens, tokens]))
+    with pytest.raises(UsageError, match="a microbatch of 6 from example inputs of batch 4"):
+        microbatch_inputs((tokens,), 4, 6)

@@ -116,6 +116,22 @@ def test_a_size_the_axis_does_not_divide(llama):
     ) in str(error.value)
 
 
+def test_with_the_stages_fixed_a_layout_need_only_divide_a_stages_mesh(llama):
+    """Two stages of a 4 x 2 mesh are 2 x 2 each: the batch of 2 splits over a stage's dp
+    (Megatron's 530B run: 35 stages of 315 nodes, dp over a stage's 9), though not over
+    the whole mesh's 4."""
+    mesh = MeshSpec((4, 2), ("dp", "tp"), device="h100-sxm")
+    shard = 'shard:\n  "layers.*.mlp.down_proj": [dp]\n'
+    with pytest.raises(HintError, match="dp \\(4\\) does not divide into 4 equal pieces"):
+        resolve_hints(hints_from_text(shard, "h.yaml"), llama, mesh)
+    hints = hints_from_text(shard + "pipeline: {stages: 2}\n", "h.yaml")
+    resolved = resolve_hints(hints, llama, mesh)
+    (target, *_) = next(iter(resolved.targets.values()))
+    assert format_spec(target.layout, mesh.axis_names, 3) == "[dp, None, None]"
+    plan = plan_hinted(llama, mesh, hints, global_batch=8, stages=2)
+    assert plan.parallelism.pp == 2
+
+
 def test_pipeline_stages_must_cut_the_mesh_into_blocks(llama):
     mesh = MeshSpec((3, 2), ("pp", "tp"), device="h100-sxm")
     with pytest.raises(HintError, match="2 pipeline stages do not cut the mesh"):

@@ -326,6 +326,56 @@ def test_the_search_traces_again_only_below_a_stages_devices_and_once_per_size()
     assert fallback.microbatch_size == plan.microbatch_size == 8
 
 
+def test_an_example_of_one_sequence_is_traced_again_at_one_per_node_and_one_per_device():
+    """Megatron's configurations need a microbatch of one sequence per data-parallel rank:
+    from a preset's example of one sequence, a stage of 9 nodes x 8 GPUs is planned at 9
+    (dp 9 across nodes, tp 8 inside: the 530B run of Narayanan et al. 2021), and without a
+    pipeline also at one per device (plain data parallelism); only sizes that divide the
+    global batch, never where the example covers a stage's nodes already or the options
+    fix the microbatches."""
+    from autopar_passes.pipeline.search import PipelineRequest, _large_sizes
+    from autopar_passes.solve import SolveRequest
+
+    def request(traced: int = 1, **fields) -> PipelineRequest:
+        solve = SolveRequest(autopar.Mesh((315, 8), device="a100-80gb-sxm"))
+        return PipelineRequest(solve, 2520, traced, retrace=lambda b: None, **fields)  # type: ignore[arg-type,return-value]
+
+    stage = autopar.Mesh((9, 8), device="a100-80gb-sxm")
+    assert _large_sizes(request(), stage, 35) == [9]
+    assert _large_sizes(request(), stage, 1) == [9, 72]
+    assert _large_sizes(request(traced=3), stage, 35) == [9]  # a multiple of the example
+    assert _large_sizes(request(traced=2), stage, 35) == []  # 9 is not
+    assert _large_sizes(request(traced=9), stage, 35) == []  # the example covers the nodes
+    assert _large_sizes(request(microbatches=280), stage, 35) == []
+    assert _large_sizes(replace(request(), retrace=None), stage, 35) == []
+    odd = autopar.Mesh((14, 8), device="a100-80gb-sxm")
+    assert _large_sizes(request(), odd, 1) == [14]  # 112 does not divide 2520
+
+
+def test_the_search_plans_data_parallelism_from_an_example_of_one_sequence():
+    """gpt-tiny on 2 nodes of 2 from one sequence, a global batch of 8: the plan takes
+    microbatches of several sequences, traced again by repeating the example, where the
+    example's own trace could only split one sequence; and it is the plan those
+    microbatches give when the example has their size."""
+    model, inputs = build("gpt-tiny", batch_size=1, device="meta")
+    mesh = autopar.Mesh.cluster(2, 2, device="h100-sxm")
+    plan = autopar.plan(model, mesh, inputs, global_batch=8)
+    assert plan.microbatch_size > 1
+    big, big_inputs = build("gpt-tiny", batch_size=plan.microbatch_size, device="meta")
+    same = autopar.plan(
+        big,
+        mesh,
+        big_inputs,
+        global_batch=8,
+        stages=plan.parallelism.pp,
+        microbatches=plan.parallelism.microbatches,
+    )
+    assert same.estimate.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-9)
+    # and faster than the plans of one-sequence microbatches the example alone gives
+    alone = autopar.plan(model, mesh, inputs, global_batch=8, microbatches=8)
+    assert plan.estimate.step_time_s < alone.estimate.step_time_s
+
+
 def test_a_second_trace_keeps_the_node_names_so_hints_still_bind():
     """Hints and forced styles constrain ops by node name; the model traced again at a
     smaller microbatch has the same names, so the plans of either trace honour them."""

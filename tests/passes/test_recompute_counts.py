@@ -3,11 +3,12 @@
 The ILP decides how many copies of a layer class each recompute region takes (an integer in
 binary digits, ``ilp.RecomputeTerm``); regions that cannot share a layer (the full layer, and
 selective regions sharing ops) share the class's copies (``ilp.RecomputeBudget``, made by
-``recompute_budgets``); ``chosen_layers`` says which copies: the full layer the first ones,
-each group of clashing selective regions the last ones, one region after another back from
-the end. The closed forms are hand-made regions and hand-built ILPs; end to end, the solver
-decides recomputation jointly with the ZeRO stage, so it recomputes where that beats a
-ZeRO stage that fits without it.
+``recompute_budgets``); ``chosen_layers`` says which copies: all at the front of the class
+(a 1F1B pipeline's first stage holds the most microbatches), the full layer the first ones,
+each group of clashing selective regions the ones after, one region after another. The
+closed forms are hand-made regions and hand-built ILPs; end to end, the solver decides
+recomputation jointly with the ZeRO stage, so it recomputes where that beats a ZeRO stage
+that fits without it.
 """
 
 from __future__ import annotations
@@ -64,22 +65,22 @@ def test_full_recompute_takes_the_first_layers_of_its_class():
     assert chosen_layers([later], {"full": 2}) == {"full": (1, 2)}
 
 
-def test_clashing_selective_regions_take_adjacent_runs_back_from_the_end():
-    """The first region of the group the last layers, the next the ones just before."""
+def test_clashing_selective_regions_take_adjacent_runs_from_the_front():
+    """The first region of the group the first layers, the next the ones just after."""
     chosen = chosen_layers([A, B], {"a": 2, "b": 3})
-    assert chosen == {"a": (6, 7), "b": (3, 4, 5)}
+    assert chosen == {"a": (0, 1), "b": (2, 3, 4)}
     assert not set(chosen["a"]) & set(chosen["b"])
-    assert sorted(chosen["a"] + chosen["b"]) == [3, 4, 5, 6, 7]
+    assert sorted(chosen["a"] + chosen["b"]) == [0, 1, 2, 3, 4]
 
 
 def test_full_and_a_clashing_group_fill_the_class_without_meeting():
     chosen = chosen_layers([FULL, A, B], {"full": 3, "a": 2, "b": 3})
-    assert chosen == {"full": (0, 1, 2), "a": (6, 7), "b": (3, 4, 5)}
+    assert chosen == {"full": (0, 1, 2), "a": (3, 4), "b": (5, 6, 7)}
 
 
 def test_a_selective_region_sharing_no_op_may_share_layers_with_another():
     chosen = chosen_layers([A, B, C], {"a": 2, "b": 3, "c": 4})
-    assert chosen["c"] == (4, 5, 6, 7)  # from the end of its own group
+    assert chosen["c"] == (0, 1, 2, 3)  # from the front, as its own group
     assert set(chosen["c"]) & set(chosen["a"]) and set(chosen["c"]) & set(chosen["b"])
 
 
@@ -88,14 +89,14 @@ def test_regions_linked_through_a_third_are_one_group():
     d = region("d", "selective", ("z", "v"))
     chosen = chosen_layers([A, d, B], {"a": 1, "d": 2, "b": 3})
     layers = [layer for name in ("a", "d", "b") for layer in chosen[name]]
-    assert sorted(layers) == [2, 3, 4, 5, 6, 7]  # disjoint, adjacent, back from the end
+    assert sorted(layers) == [0, 1, 2, 3, 4, 5]  # disjoint, adjacent, from the front
     (budget,) = recompute_budgets([A, d, B])
     assert sorted(budget.regions) == ["a", "b", "d"] and budget.copies == 8
 
 
 def test_a_count_of_zero_or_none_gives_no_layers():
     assert chosen_layers([FULL, A, B, C], {"full": 0, "a": 0}) == {}
-    assert chosen_layers([FULL, A, B], {"a": 0, "b": 2}) == {"b": (6, 7)}
+    assert chosen_layers([FULL, A, B], {"a": 0, "b": 2}) == {"b": (0, 1)}
 
 
 def test_each_layer_class_is_placed_on_its_own():
@@ -107,7 +108,7 @@ def test_each_layer_class_is_placed_on_its_own():
         region("a1", "selective", ("y",), range(1, 8)),
     ]
     chosen = chosen_layers(first + rest, {"full0": 1, "a1": 3, "full1": 2})
-    assert chosen == {"full0": (0,), "full1": (1, 2), "a1": (5, 6, 7)}
+    assert chosen == {"full0": (0,), "full1": (1, 2), "a1": (3, 4, 5)}
     assert chosen_layers(rest + first, {"a0": 1, "a1": 7}) == {"a0": (0,), "a1": tuple(range(1, 8))}
 
 

@@ -20,7 +20,10 @@ from autopar_examples.models import build
 from autopar_plans import InfeasiblePlanError
 from autopar_plans.units import parse_bytes
 
-FRACTIONS = (1.0, 0.8, 0.5, 0.3, 0.1)
+# recomputation frees at most 89% of the plain plan's activations here: autocast's bf16
+# copies of the weights stay (its cache holds them to the forward's end, checkpoint or
+# not: ``CostModel.weight_cast_bytes``), as do the layers' inputs; 0.1 takes offload
+FRACTIONS = (1.0, 0.8, 0.5, 0.3, 0.15)
 
 
 @pytest.fixture(scope="module")

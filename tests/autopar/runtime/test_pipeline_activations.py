@@ -1,7 +1,10 @@
 """What a pipeline stage holds for backward is what the plan says it holds (within 5%).
 
 On 2 gloo ranks, one stage each: GPT (tiny, 2 layers) under GPipe and 1F1B over 4
-microbatches, and Llama (tiny, 4 layers) under interleaved 1F1B in 2 chunks. A schedule
+microbatches (also in bf16 mixed precision: each fp32 weight's bf16 copy is cast once a
+step, one autocast context around the schedule caching it for every microbatch, but where
+an op reads a view of the weight, as GPT's qkv einsum does, autocast casts it anew at each
+microbatch and each one in flight holds its copy), and Llama (tiny, 4 layers) under interleaved 1F1B in 2 chunks. A schedule
 keeps several microbatches' activations alive at once (GPipe all of them, 1F1B those not
 yet back from the later stages), which the plan counts per stage
 (``autopar_passes.pipeline.stage_cut.microbatches_in_flight`` times one microbatch's). The most
@@ -23,6 +26,17 @@ from tests.autopar.runtime.stage_activations import measure_stages
 CASES = [
     ("gpt-tiny", 2, (2,), {"stages": 2, "schedule": "gpipe", "microbatches": 4}),
     ("gpt-tiny", 2, (2,), {"stages": 2, "schedule": "1f1b", "microbatches": 4}),
+    # autocast's bf16 copy of each fp32 weight: cast once a step, whatever is in flight,
+    # but for the einsum's (qkv), which it casts from a view anew at every microbatch
+    *(
+        (
+            "gpt-tiny",
+            2,
+            (2,),
+            {"stages": 2, "schedule": schedule, "microbatches": 4, "precision": "bf16_mixed"},
+        )
+        for schedule in ("1f1b", "gpipe")
+    ),
     (
         "llama-tiny",
         4,
