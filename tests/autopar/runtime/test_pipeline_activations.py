@@ -2,19 +2,18 @@
 
 On 2 gloo ranks, one stage each: GPT (tiny, 2 layers) under GPipe and 1F1B over 4
 microbatches (also in bf16 mixed precision: each fp32 weight's bf16 copy is cast once a
-step, one autocast context around the schedule caching it for every microbatch, but where
-an op reads a view of the weight, as GPT's qkv einsum does, autocast casts it anew at each
-microbatch and each one in flight holds its copy), and Llama (tiny, 4 layers) under interleaved 1F1B in 2 chunks. A schedule
-keeps several microbatches' activations alive at once (GPipe all of them, 1F1B those not
-yet back from the later stages), which the plan counts per stage
-(``autopar_passes.pipeline.stage_cut.microbatches_in_flight`` times one microbatch's). The most
-bytes autograd holds at once during a ``train_step``, counted on each rank
-(``stage_activations.HeldSaved``), are within 5% of its stage's planned activations, and
-all of it is released by the step's end. A tensor one stage sends is kept by the stage that
-receives it (the next layer's norm saves it), and the plan counts it there
-(``autopar_passes.pipeline.layer_costs``); counted on the sender's stage, it was 5.8% over on
-GPT's last stage and as much under on its first.
-"""
+step, one autocast context around the schedule caching it for every microbatch, but where an
+op reads a view of the weight, as GPT's qkv einsum does, autocast casts it anew at each
+microbatch and each one in flight holds its copy), and Llama (tiny, 4 layers) under
+interleaved 1F1B in 2 chunks. A schedule keeps several microbatches' activations alive at
+once (GPipe all of them, 1F1B those not yet back from the later stages), which the plan
+counts per stage (``autopar_passes.pipeline.stage_cut.microbatches_in_flight`` times one
+microbatch's). The most bytes autograd holds at once during a ``train_step``, counted on
+each rank (``stage_activations.HeldSaved``), are within 5% of its stage's planned
+activations, and all of it is released by the step's end. A tensor one stage sends is kept
+by the stage that receives it (the next layer's norm saves it), and the plan counts it there
+(``autopar_passes.pipeline.layer_costs``); counted on the sender's stage, it was 5.8% over
+on GPT's last stage and as much under on its first."""
 
 from __future__ import annotations
 
