@@ -2,9 +2,11 @@
 example of one sequence, is estimated no slower than the published configuration forced
 through the same planner and costed by the same model (``benchmarks.ptdp``).
 
-The suite plans the 3.6B row (64 A100s, Megatron's tp 2 inside the node), which takes
-seconds and where autopar's plan differs from Megatron's; ``python -m benchmarks.ptdp``
-plans all ten, up to 3,072 GPUs, in minutes each (BENCHMARKS.md).
+The suite plans the 1.7B row (32 A100s, Megatron's plain data parallelism), which takes
+seconds; before the search traced again at microbatches larger than the example, autopar
+planned 512 microbatches of one sequence there, estimated 2.42 s against the forced 1.86 s.
+``python -m benchmarks.ptdp`` plans all ten, up to 3,072 GPUs, in minutes each
+(BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import pytest
 
 from benchmarks.ptdp import ROWS, autopar_plan, megatron_plan
 
-QUICK = [row for row in ROWS if row.name == "3.6b"]
+QUICK = [row for row in ROWS if row.name == "1.7b"]
 
 
 def test_the_rows_are_table_1s_shapes():
