@@ -124,6 +124,12 @@ class SyncCall:
     overlappable: bool = True
 
 
+def compute_dtype_of(precision: str) -> str:
+    """The dtype matmuls run in under ``precision``."""
+    mixed = {"bf16_mixed": "bfloat16", "fp16_mixed": "float16", "bf16": "bfloat16"}
+    return mixed.get(precision, "float32")
+
+
 @dataclass
 class CostModel:
     """Coefficients for the ILP under one mesh, preset and training policy."""
@@ -170,12 +176,7 @@ class CostModel:
 
     @cached_property
     def compute_dtype(self) -> str:
-        return {
-            "fp32": "float32",
-            "bf16_mixed": "bfloat16",
-            "fp16_mixed": "float16",
-            "bf16": "bfloat16",
-        }[self.precision]
+        return compute_dtype_of(self.precision)
 
     @cached_property
     def activation_scale(self) -> float:

@@ -37,11 +37,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from autopar_cost_model.collectives import MeshCost
-from autopar_cost_model.compute import peak_flops
-from autopar_cost_model.hardware import load_preset
+from autopar_cost_model.compute import achieved_flops, dtype_key, peak_flops
+from autopar_cost_model.hardware import DevicePreset, load_preset
 from autopar_cost_model.memory import microbatches_in_flight
 from autopar_cost_model.schedule import schedule_time
 from autopar_cost_model.step import exposed_gradient_sync, mfu
+from autopar_passes.annotation import META_KEY
+from autopar_passes.costs import compute_dtype_of
 from autopar_passes.ilp import solve_ilp
 from autopar_passes.ledger import step_ledger, with_ledger
 from autopar_passes.mixed_precision import AutocastSaved, autocast_dtypes, autocast_saved
@@ -176,8 +178,17 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
     search = _Search(request, layers)
     pending: list[tuple[float, int, Source | tuple[int, ...]]] = []
     counts = _stage_counts(mesh, layers, request)
+    floor = _compute_floor(traced, request)
     for i, p in enumerate(counts):
         stage_mesh = _stage_mesh(mesh, p)
+        least = floor * _bubble_factor(p, [1], layers, request)
+        best = min((c.step_time_s for c in search.candidates), default=float("inf"))
+        if least > tie(best):
+            request.progress(
+                f"{_stages(p)} ({i + 1} of {len(counts)}): skipped, at least "
+                f"{format_seconds(least)}{search.best_words()}"
+            )
+            continue
         sources = []
         sizes = _microbatch_sizes(request, stage_mesh)
         if sizes:
@@ -306,6 +317,39 @@ def _least_work(solved: Solved, mesh: MeshSpec, p: int, time_limit: float) -> fl
     )
     relaxed = solve_ilp(problem, time_limit)
     return (relaxed.report.objective or 0.0) if relaxed.feasible else 0.0
+
+
+def _compute_floor(traced: TracedModel, request: PipelineRequest) -> float:
+    """The least compute a step can take on the whole mesh: every op's forward and backward
+    FLOPs for the global batch at the fastest rate the cost model gives any op in the
+    plan's compute dtype (``op_time``: the peak times the compute efficiency, or the best
+    of the preset's measured curve), spread over every device, each op's time at least
+    ``in_step`` times that. No plan does less on any stage count (a stage's devices share
+    its layers' work at best), so ``floor x _bubble_factor`` bounds a stage count from
+    below before any solve: with few microbatches a deep pipeline cannot win (llama3-8b on
+    8x8 with one sequence a step: of the stage counts 1 to 32, those from 8 up)."""
+    preset = load_preset(request.solve.mesh.device)
+    dtype = compute_dtype_of(request.solve.precision)
+    rates = [rate for _, rate in _curve_points(preset, dtype)]
+    fallback = achieved_flops(preset, dtype, "", 0.0)
+    rates += [fallback] if fallback is not None else []
+    if not rates:
+        return 0.0
+    flops = 0.0
+    for node in traced.graph.nodes:
+        note = node.meta[META_KEY]
+        if node.op == "call_function":
+            flops += note.fwd_flops + (note.bwd_flops if note.requires_grad else 0)
+    per_step = flops * request.global_batch / request.traced_batch
+    return preset.in_step * per_step / (request.solve.mesh.size * max(rates))
+
+
+def _curve_points(preset: DevicePreset, dtype: str) -> list[tuple[float, float]]:
+    """Every (FLOPs of a call, FLOP/s) point of the preset's measured curves in ``dtype``."""
+    key = dtype_key(dtype)
+    return [
+        (float(f), float(r)) for curves in preset.op_rates.values() for f, r in curves.get(key, ())
+    ]
 
 
 def _bubble_factor(p: int, sizes: list[int], layers: int, request: PipelineRequest) -> float:

@@ -534,3 +534,30 @@ def test_a_runner_ups_figure_is_the_plan_it_stands_for(name, stages):
         again = autopar.plan(model, mesh, (tokens,), **options)
         assert again.parallelism == wanted
         assert again.estimate.step_time_s == pytest.approx(alternative.step_time_s, rel=0.01)
+
+
+def test_a_stage_count_whose_compute_alone_is_slower_than_the_best_is_not_solved():
+    """One sequence a step over 32 H100s: a pipeline of p stages runs it through every stage
+    in turn, at least p times the step's FLOPs spread over all devices at the fastest rate
+    the cost model allows (``_compute_floor`` times ``_bubble_factor``). That bound holds
+    for every stage count's own plan, and where it is above the best plan found, the stage
+    count is skipped without a solve (the CLI's default llama3-8b on 8x8: 4 of 6)."""
+    from autopar_passes.pipeline.search import (
+        PipelineRequest,
+        _bubble_factor,
+        _compute_floor,
+    )
+    from autopar_passes.solve import SolveRequest
+
+    model, inputs = build("gpt3-1.3b", device="meta", n_layer=8, batch_size=1)
+    mesh = autopar.Mesh((8, 4), device="h100-sxm")
+    said: list[str] = []
+    plan = autopar.plan(model, mesh, inputs, progress=said.append)
+    assert any(line.startswith("8 stages (4 of 4): skipped, at least") for line in said)
+    request = PipelineRequest(SolveRequest(mesh), 1, 1)
+    floor = _compute_floor(trace(model, inputs), request)
+    assert floor > 0
+    for stages in (1, 2, 4, 8):
+        forced = autopar.plan(model, mesh, inputs, stages=stages)
+        assert forced.estimate.step_time_s >= floor * _bubble_factor(stages, [1], 8, request)
+        assert forced.estimate.step_time_s >= plan.estimate.step_time_s * (1 - 1e-9)
