@@ -327,7 +327,7 @@ def _compute_floor(traced: TracedModel, request: PipelineRequest) -> float:
     ``in_step`` times that. No plan does less on any stage count (a stage's devices share
     its layers' work at best), so ``floor x _bubble_factor`` bounds a stage count from
     below before any solve: with few microbatches a deep pipeline cannot win (llama3-8b on
-    8x8 with one sequence a step: of the stage counts 1 to 32, those from 8 up)."""
+    8x8 with one sequence a step: of the stage counts 1 to 32, those from 4 up)."""
     preset = load_preset(request.solve.mesh.device)
     dtype = compute_dtype_of(request.solve.precision)
     rates = [rate for _, rate in _curve_points(preset, dtype)]
