@@ -182,7 +182,7 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
     for i, p in enumerate(counts):
         stage_mesh = _stage_mesh(mesh, p)
         least = floor * _bubble_factor(p, [1], layers, request)
-        best = min((c.step_time_s for c in search.candidates), default=float("inf"))
+        best = search.best()
         if least > tie(best):
             request.progress(
                 f"{_stages(p)} ({i + 1} of {len(counts)}): skipped, at least "
@@ -225,7 +225,7 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
                 bound = work * _bubble_factor(p, list(small), layers, request) / p
                 pending.append((bound, p, small))
     for bound, p, entry in sorted(pending, key=lambda e: (e[0], e[1])):
-        best = min((c.step_time_s for c in search.candidates), default=float("inf"))
+        best = search.best()
         if bound > best:
             continue
         # a plan on a stage's mesh beats the best in hand only if its work, spread over
@@ -395,11 +395,15 @@ class _Search:
         # traced batch -> what autograd keeps under autocast (``autocast_saved``)
         self.saved: dict[int, AutocastSaved | None] = {}
 
+    def best(self) -> float:
+        """The fastest step of the configurations that fit so far (inf: none yet)."""
+        return min((c.step_time_s for c in self.candidates), default=float("inf"))
+
     def best_words(self) -> str:
         """``; best 7.12 s a step`` once a configuration fits, else nothing."""
         if not self.candidates:
             return ""
-        return f"; best {format_seconds(min(c.step_time_s for c in self.candidates))} a step"
+        return f"; best {format_seconds(self.best())} a step"
 
     def solve(
         self,
@@ -567,9 +571,7 @@ def _small_sizes(
     seconds each: gpt3-175b, 6 s). None either when the search may not trace again, or
     the options fix the microbatches or the cut."""
     if (
-        request.retrace is None
-        or request.microbatches is not None
-        or request.cuts is not None
+        not _may_trace_again(request)
         or stage_mesh.ndim < 2
         or request.traced_batch < stage_mesh.size
     ):
@@ -583,6 +585,12 @@ def _small_sizes(
     return tuple(sorted(found, reverse=True))
 
 
+def _may_trace_again(request: PipelineRequest) -> bool:
+    """Whether the search may plan microbatches on the model traced at another size: it can
+    trace (``retrace``), and the options fix neither the microbatches nor the cut."""
+    return request.retrace is not None and request.microbatches is None and request.cuts is None
+
+
 def _large_sizes(request: PipelineRequest, stage_mesh: MeshSpec, p: int) -> list[int]:
     """Microbatches above the example's batch where it cannot split a stage's nodes (its
     mesh's outer axis), each planned on the model traced again at that size (a preset's
@@ -594,15 +602,10 @@ def _large_sizes(request: PipelineRequest, stage_mesh: MeshSpec, p: int) -> list
     - without a pipeline, one sequence per device too: plain data parallelism (their 1.7B
       run, dp 32). A pipeline's stages would get few microbatches of that size.
 
-    None where the example covers the nodes already, the search may not trace again, the
-    options fix the microbatches or the cut; only sizes that divide the global batch."""
+    None where the example covers the nodes already or the search may not trace again
+    (``_may_trace_again``); only sizes that divide the global batch."""
     traced = request.traced_batch
-    if (
-        request.retrace is None
-        or request.microbatches is not None
-        or request.cuts is not None
-        or traced >= stage_mesh.shape[0]
-    ):
+    if not _may_trace_again(request) or traced >= stage_mesh.shape[0]:
         return []
     sizes = [stage_mesh.shape[0], stage_mesh.size] if p == 1 else [stage_mesh.shape[0]]
     return sorted(
