@@ -564,3 +564,23 @@ def test_a_stage_count_whose_compute_alone_is_slower_than_the_best_is_not_solved
     skipped = autopar.plan(model, mesh, inputs, stages=8)
     assert skipped.estimate.step_time_s >= floor * _bubble_factor(8, [1], 8, request)
     assert skipped.estimate.step_time_s > plan.estimate.step_time_s
+
+
+def test_a_pipelines_recomputation_is_its_pacing_stages_not_every_stages():
+    """Four identical layers recomputed (a hint), cut 2 + 2 over two 1F1B stages: each
+    device replays its own two layers, so the step's recomputation is half of what the
+    recomputed regions sum to over the model (that sum, 1,211 s in a 185 s step of a 530B
+    plan, had been reported, and "other" read -1,211 s)."""
+    model, inputs = build("gpt-tiny", device="meta", n_layer=4, batch_size=8)
+    plan = autopar.plan(
+        model,
+        autopar.Mesh((2,), device="h100-sxm"),
+        inputs,
+        global_batch=32,
+        stages=2,
+        microbatches=4,
+        hints={"recompute": ["layers.*"]},
+    )
+    assert [s.layers for s in plan.stages] == [(0, 1), (2, 3)]
+    every_stage = sum(region.recompute_s for region in plan.recompute)
+    assert plan.estimate.recompute_s == pytest.approx(every_stage / 2, rel=1e-9)
