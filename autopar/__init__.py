@@ -16,7 +16,7 @@ The public surface, in the order a user meets it:
   says what to change.
 """
 
-from autopar import elastic, optim, testing
+from autopar import elastic, testing
 from autopar._version import __version__
 from autopar.api import compile, plan
 from autopar.mesh import Mesh
@@ -65,3 +65,13 @@ __all__ = [
     "testing",
     "trace",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``autopar.optim`` on first use: it imports DTensor (half a second), which planning
+    never needs, so ``autopar plan`` does not pay for it (PEP 562)."""
+    if name == "optim":
+        import importlib
+
+        return importlib.import_module("autopar.optim")
+    raise AttributeError(f"module 'autopar' has no attribute {name!r}")

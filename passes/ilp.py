@@ -457,8 +457,7 @@ def solve_ilp(
 
     beat_this = cutoff is not None or work_cutoff is not None
     limit = WorkLimit.of(time_limit, beat_this)
-    bounded = problem.memory_limit is not None or bool(problem.recompute)
-    presolve = PRESOLVE_ON if bounded and not beat_this else PRESOLVE_OFF
+    presolve = PRESOLVE_OFF if beat_this else PRESOLVE_ON
     result = model.solve(CLOCK_FACTOR * time_limit, backend, dict(presolve), limit)
     elapsed = time.perf_counter() - start
     gave_up = limit.fired == "gave up"
@@ -674,16 +673,18 @@ def _add_edge(
     return pairs
 
 
-# HiGHS's presolve, off where it costs more than it saves: in the proofs that nothing beats
-# a cutoff and the solves with memory set aside, on for the solves without a cutoff that
-# bound memory or choose recomputation. Measured on every MIP the quality benchmark solves
-# for llama3-8b on 8x8 (63 problems, each solved both ways with the same status and
-# objective): 105 s of HiGHS with presolve, 52 s without, 53 s by this rule; the proofs
-# went from 1.5-10 s to 0.5-1.1 s. llama3-70b on 8x8 (159 problems): 210.6 s to 130.5 s
-# without. An unbounded solve with recomputation forced by hints (llama-tiny,
-# ``tests/passes/test_hints.py``) took 114 s without presolve and 6 s with it. (Probing
-# alone, with presolve on, once took a minute on llama-tiny 4x2 with a cutoff row over
-# the whole objective: it stays off.)
+# HiGHS's presolve, off only in the proofs that nothing beats a cutoff, where it costs
+# more than it saves; on (HiGHS's default) in every solve that looks for a plan. Measured on
+# every MIP the quality benchmark solves for llama3-8b on 8x8 (63 problems, each solved both
+# ways with the same status and objective): the proofs took 1.5-10 s with presolve and
+# 0.5-1.1 s without. Where a plan is looked for, presolve is a bounded cost and can save
+# most of the solve: 0.1-0.5 s more on each of that set's 23 solves with memory set aside
+# (on gpt3-13b's, 0.1-0.2 s; the CLI's default llama3-8b on 8x8, 0.23 s over its two), but
+# ResNet-50 at 8,192 images on 8x8 (198,193 columns, memory set aside) took 13 s with it
+# and 36 s without, an unbounded solve with recomputation forced by hints (llama-tiny,
+# ``tests/passes/test_hints.py``) 6 s and 114 s, and llama3-8b's first memory-bounded solve
+# 6.8 s and 20.8 s. (Probing alone, with presolve on, once took a minute on llama-tiny 4x2
+# with a cutoff row over the whole objective: it stays off.)
 PRESOLVE_OFF = {"presolve": "off"}
 PRESOLVE_ON = {"presolve_rule_off": 1 << 15}  # probing off
 
