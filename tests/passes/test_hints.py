@@ -363,10 +363,16 @@ def test_infeasible_without_the_hints_is_the_plain_error():
     assert "does not fit in 1000 B per device" in str(error.value)
 
 
-def test_recompute_hints_force_the_layer_or_the_selective_region(llama):
+@pytest.fixture(scope="module")
+def whole_layers(llama: TracedModel) -> Plan:
+    """llama-tiny with every layer recomputed by a hint, memory to spare."""
+    return plan_hinted(llama, MESH, hints_from_text("recompute: [layers.*]\n"), stages=1)
+
+
+def test_recompute_hints_force_the_layer_or_the_selective_region(llama, whole_layers):
     """Forced with memory to spare: the whole layer for ``layers.*``, the MLP's activation
     run for ``layers.*.mlp``; every copy, as the plan records."""
-    whole = plan_hinted(llama, MESH, hints_from_text("recompute: [layers.*]\n"), stages=1)
+    whole = whole_layers
     assert {r.kind for r in whole.recompute} == {"full"}
     assert sorted(layer for r in whole.recompute for layer in r.layers) == [0, 1]
     assert whole.estimate.recompute_s > 0
@@ -379,14 +385,13 @@ def test_recompute_hints_force_the_layer_or_the_selective_region(llama):
     assert not free.recompute  # without the hint nothing is recomputed
 
 
-def test_a_recomputing_plans_step_pays_its_recomputation(llama):
+def test_a_recomputing_plans_step_pays_its_recomputation(whole_layers):
     """The step is its parts: compute apart from recomputation, recomputation, exposed
     communication, bubble and the optimizer's step. The exposed figure the ledger replaces
     is what is left of the step after them: read off it with recomputation counted in
     neither, it had taken the recomputation with it (llama3-8b on 1x8: 4.4 s under its
     plan); counted in both, the parts exceeded the step."""
-    whole = plan_hinted(llama, MESH, hints_from_text("recompute: [layers.*]\n"), stages=1)
-    e = whole.estimate
+    e = whole_layers.estimate
     assert e.recompute_s > 0
     parts = e.compute_s + e.recompute_s + e.exposed_comm_s + e.bubble_s + e.optimizer_s
     assert e.step_time_s == pytest.approx(parts, rel=1e-9)
