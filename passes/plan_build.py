@@ -152,7 +152,17 @@ def _on_mesh(plan: Plan, mesh: MeshSpec, groups: tuple[tuple[int, ...], ...]) ->
         )
         for name, o in plan.ops.items()
     }
-    return plan.model_copy(update={"mesh": mesh, "params": params, "ops": ops})
+    roles = plan.parallelism.axis_roles
+    if roles and len(roles) != mesh.ndim:  # a grouped axis's role is each of its axes'
+        spread = [""] * mesh.ndim
+        for group, role in zip(groups, roles, strict=True):
+            for axis in group:
+                spread[axis] = role
+        roles = tuple(spread)
+    parallelism = plan.parallelism.model_copy(update={"axis_roles": roles})
+    return plan.model_copy(
+        update={"mesh": mesh, "params": params, "ops": ops, "parallelism": parallelism}
+    )
 
 
 def _param_plans(traced: TracedModel, solved: Solved) -> dict[str, ParamPlan]:
@@ -278,6 +288,10 @@ def _parallelism(
             size *= mesh_shape[axis]
         return size
 
+    kinds = (("data", dp_axes), ("tensor", tp_axes), ("expert", ep_axes), ("mixed", mixed_axes))
+    roles = tuple(
+        "+".join(kind for kind, axes in kinds if axis in axes) for axis in range(len(mesh_shape))
+    )
     return Parallelism(
         dp=product(dp_axes),
         tp=product(tp_axes),
@@ -286,6 +300,7 @@ def _parallelism(
         mixed=product(mixed_axes),
         zero=3 if fsdp else solved.zero,
         microbatches=microbatches,
+        axis_roles=roles,
     )
 
 

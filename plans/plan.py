@@ -47,6 +47,12 @@ class Parallelism(_Frozen):
     microbatches: int = Field(1, ge=1)
     schedule: Schedule = "none"
     chunks: int = Field(1, ge=1, description="Stages per device (interleaved 1F1B's v).")
+    axis_roles: tuple[str, ...] = Field(
+        (),
+        description="What each axis of the mesh (a pipeline stage's) does to the matmuls, in "
+        "mesh order: 'data', 'tensor', 'expert', 'mixed' (joined by '+' where one axis "
+        "does two, as data and expert), '' where it splits none; empty in older plans.",
+    )
 
 
 class MemoryBreakdown(_Frozen):

@@ -15,7 +15,14 @@ from typing import Any
 
 import autopar
 from autopar.cli.mesh_args import add_mesh_arguments, mesh_from_args
-from autopar.cli.render import comm_table, console, plan_tables, summary_of, working
+from autopar.cli.render import (
+    comm_sources_table,
+    comm_table,
+    console,
+    plan_tables,
+    summary_of,
+    working,
+)
 from autopar.force import STYLES
 from autopar.model_source import build_model, parse_config
 from autopar.report import require_matplotlib
@@ -172,7 +179,11 @@ def print_plan(plan: Plan, args: argparse.Namespace) -> int:
             page, picture = write_report(plan, args.report)
     if args.format == "table":
         out = console()
-        tables = [summary_of(plan), comm_table(plan)] if args.comm else plan_tables(plan)
+        tables = (
+            [summary_of(plan), comm_sources_table(plan), comm_table(plan)]
+            if args.comm
+            else plan_tables(plan)
+        )
         for table in tables:
             out.print(table)
     else:

@@ -10,7 +10,16 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autopar.report.views import layout_rows, memory_bars, plan_mesh_axes, ranges, time_rows
+from autopar.report.views import (
+    comm_sources,
+    layout_rows,
+    memory_bars,
+    plan_mesh_axes,
+    ranges,
+    time_rows,
+    what_in_words,
+)
+from autopar.report.words import cautions, plan_in_words
 from autopar_passes.trace import GraphSummary
 from autopar_plans.plan import Plan
 from autopar_plans.units import format_bytes, format_count, format_flops, format_seconds
@@ -100,6 +109,9 @@ def summary_of(plan: Plan) -> Table:
     summary.add_column("value")
     p = plan.parallelism
     mixed = f" mixed={p.mixed}" if p.mixed > 1 else ""
+    summary.add_row("plan", plan_in_words(plan))
+    for caution in cautions(plan):
+        summary.add_row("[yellow]caution[/yellow]", f"[yellow]{escape(caution)}[/yellow]")
     summary.add_row(
         "parallelism", f"dp={p.dp} tp={p.tp} sp={p.sp} pp={p.pp} ep={p.ep}{mixed} zero={p.zero}"
     )
@@ -317,7 +329,7 @@ def comm_table(plan: Plan) -> Table:
             str(calls),
             format_seconds(time),
             format_seconds(exposed) + hidden,
-            escape(what) + (f" (+{sites - 1})" if sites > 1 else ""),
+            escape(what_in_words(plan, what)) + (f" (+{sites - 1})" if sites > 1 else ""),
         )
     e = plan.estimate
     table.add_row(
@@ -331,4 +343,27 @@ def comm_table(plan: Plan) -> Table:
         "",
         style="bold",
     )
+    return table
+
+
+def comm_sources_table(plan: Plan) -> Table:
+    """What each kind of collective's bytes are spent on, its largest reasons first
+    (``autopar.report.views.comm_sources``): the ops behind a large all-to-all volume."""
+    staged = plan.parallelism.pp > 1
+    title = "where each collective's bytes come from (per device a step"
+    title += ", on the stage where each sends most)" if staged else ")"
+    table = Table(title=title, title_justify="left")
+    table.add_column("collective")
+    table.add_column("what causes it")
+    table.add_column("sent", justify="right")
+    table.add_column("calls", justify="right")
+    table.add_column("sites", justify="right")
+    for row in comm_sources(plan):
+        table.add_row(
+            row.kind,
+            escape(row.source),
+            format_bytes(row.sent_per_step),
+            str(row.calls_per_step),
+            str(row.sites),
+        )
     return table

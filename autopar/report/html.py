@@ -1,24 +1,27 @@
 """``autopar plan --report plan.html``: one self-contained HTML page and a PNG beside it.
 
-The page carries its CSS inline and its pictures as base64 ``data:`` URIs, so it can be
-mailed or attached to a review as one file. Three views (``autopar.report.figures``): the
-pipeline timeline, memory per device against the limit, the layouts per layer (also as a
-table, to search and copy). The PNG (``plan.png`` beside ``plan.html``) has the three on one
-page, for a README or a chat.
+The page carries its CSS and its pictures inline (SVG, its words as text a browser lays
+out, finds and copies), so it can be mailed or attached to a review as one file. Three
+views (``autopar.report.figures``): the pipeline timeline, memory per device against the
+limit, the layouts per layer (also as a table, to search and copy). The PNG (``plan.png``
+beside ``plan.html``) has the three on one page, for a README or a chat.
 """
 
 from __future__ import annotations
 
-import base64
 import html
 import io
+import re
 from pathlib import Path
 
+from matplotlib import rc_context
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.backends.backend_svg import FigureCanvasSVG
 from matplotlib.figure import Figure
 
 from autopar.report.figures import overview_figure, single_figure
 from autopar.report.views import layout_rows, memory_bars, plan_mesh_axes, ranges, time_rows
+from autopar.report.words import cautions, plan_in_words
 from autopar_plans.plan import Plan
 from autopar_plans.units import format_bytes, format_seconds
 from autopar_plans.writes import write_atomic
@@ -32,11 +35,11 @@ table { border-collapse: collapse; margin: 0.6em 0; font-size: 13px; }
 th, td { border-bottom: 1px solid #e3e3e3; padding: 3px 10px; text-align: left; }
 th { background: #f6f6f6; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
 code { font-family: "SFMono-Regular", Menlo, Consolas, monospace; font-size: 12px; }
-img { max-width: 100%; border: 1px solid #eee; }
+figure.view { margin: 0.6em 0; } figure.view svg { width: 100%; height: auto; }
 .cards { display: flex; flex-wrap: wrap; gap: 0.8em; }
 .card { background: #f7f9fc; border: 1px solid #e3e8f0; border-radius: 6px; padding: 0.5em 1em; }
 .card b { display: block; font-size: 1.2em; }
-.warn { color: #a04000; }
+.warn { color: #a04000; } .words { font-size: 1.05em; }
 """
 
 
@@ -74,6 +77,8 @@ def report_html(plan: Plan) -> str:
         f"<style>{STYLE}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
         f'<p class="sub">{_solver_line(plan)}</p>',
+        f'<p class="words">{html.escape(plan_in_words(plan))}</p>',
+        *(f'<p class="warn">Caution: {html.escape(c)}</p>' for c in cautions(plan)),
         '<div class="cards">'
         + "".join(f'<div class="card">{k}<b>{html.escape(v)}</b></div>' for k, v in cards)
         + "</div>",
@@ -110,8 +115,22 @@ def _solver_line(plan: Plan) -> str:
 
 
 def _image(figure: Figure, alt: str) -> str:
-    data = base64.b64encode(_png(figure)).decode("ascii")
-    return f'<p><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}"></p>'
+    """The figure as inline SVG that scales with the page, its text kept as text."""
+    buffer = io.StringIO()
+    FigureCanvasSVG(figure)
+    with rc_context({"svg.fonttype": "none", "svg.hashsalt": "autopar"}):
+        figure.savefig(buffer, format="svg")
+    svg = buffer.getvalue()
+    svg = svg[svg.index("<svg") :]  # no XML prolog or doctype inside HTML
+    # as wide as drawn at most, narrower with the page (its height follows the viewBox)
+    svg = re.sub(
+        r'<svg([^>]*?) width="([^"]*)" height="[^"]*"',
+        r'<svg\1 style="max-width: \2"',
+        svg,
+        count=1,
+    )
+    label = f'<svg role="img" aria-label="{html.escape(alt)}" '
+    return f'<figure class="view">{svg.replace("<svg ", label, 1)}</figure>'
 
 
 def _png(figure: Figure) -> bytes:
@@ -188,5 +207,7 @@ def _layouts_table(plan: Plan) -> str:
             [str(s.index), f"{s.layers[0]}-{s.layers[1]}", ranges(list(s.ranks))]
             for s in plan.stages
         ]
-        stages = _table(["stage", "layers", "ranks"], stage_rows, set())
+        stages = '<h3 id="stages">Pipeline stages</h3>' + _table(
+            ["stage", "layers", "ranks"], stage_rows, set()
+        )
     return _table(header, rows, set()) + stages

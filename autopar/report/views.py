@@ -54,6 +54,12 @@ def plan_mesh_axes(plan: Plan) -> tuple[str, ...]:
     return (plan.stage_mesh or plan.mesh).axis_names
 
 
+def shown_axes(plan: Plan) -> list[int]:
+    """The mesh axes a layout view shows: those of more than one device (inside a stage,
+    the outer axis is often one device, on which every tensor is whole)."""
+    return [a for a, size in enumerate((plan.stage_mesh or plan.mesh).shape) if size > 1]
+
+
 def layout_rows(plan: Plan) -> list[LayoutRow]:
     """Parameter layouts with identical layers folded: one row per name pattern and layout.
 
@@ -194,3 +200,61 @@ def stage_times(plan: Plan) -> tuple[list[float], list[float]]:
         )
     per_microbatch = plan.estimate.compute_s / max(plan.parallelism.microbatches, 1)
     return [per_microbatch / 3], [2 * per_microbatch / 3]
+
+
+def op_in_words(plan: Plan, node: str) -> str:
+    """An op of the plan as its module and the ATen op's short name, the layer index
+    folded (``layers.*.attn_norm mul``); the node's own name only where the plan does not
+    record it."""
+    op = plan.ops.get(node)
+    if op is None:
+        return node
+    short = op.op.removeprefix("aten.").split(".")[0]
+    module = ".".join("*" if part.isdigit() else part for part in op.module.split("."))
+    return f"{module} {short}" if module else short
+
+
+def what_in_words(plan: Plan, what: str) -> str:
+    """A ledger entry's reason with each op's node name said as ``op_in_words``."""
+    return " ".join(
+        op_in_words(plan, word) if word in plan.ops else word for word in what.split(" ")
+    )
+
+
+@dataclass(frozen=True)
+class CommSource:
+    """What one kind of collective's bytes in a step are spent on."""
+
+    kind: str
+    source: str  # ``what_in_words`` of the ledger entries it sums
+    sent_per_step: float
+    calls_per_step: int
+    sites: int
+
+
+def comm_sources(plan: Plan, top: int = 3) -> list[CommSource]:
+    """Per kind of collective, the ``top`` reasons that send the most bytes a step per
+    device (the sites of identical layers folded into one; in a pipeline, on the stage
+    where the reason sends most), the kind that sends most first."""
+    per_stage: dict[tuple[str, str, int], list[float]] = {}
+    for entry in plan.estimate.comm:
+        key = (entry.kind, what_in_words(plan, entry.what), entry.stage)
+        held = per_stage.setdefault(key, [0.0, 0, 0])
+        held[0] += entry.sent_per_step
+        held[1] += entry.calls_per_step
+        held[2] += 1
+    found: dict[tuple[str, str], CommSource] = {}
+    for (kind, source, _), (sent, calls, sites) in per_stage.items():
+        known = found.get((kind, source))
+        if known is None or sent > known.sent_per_step:
+            found[(kind, source)] = CommSource(kind, source, sent, int(calls), int(sites))
+    by_kind: dict[str, list[CommSource]] = {}
+    for row in found.values():
+        by_kind.setdefault(row.kind, []).append(row)
+    ordered = sorted(by_kind.values(), key=lambda rows: -sum(r.sent_per_step for r in rows))
+    return [
+        row
+        for rows in ordered
+        for row in sorted(rows, key=lambda r: -r.sent_per_step)[:top]
+        if row.sent_per_step > 0
+    ]
