@@ -1,11 +1,14 @@
-"""``autopar explain PLAN TARGET``: why the plan gives a parameter or an op its layout.
+"""``autopar explain PLAN TARGET``: how the plan places a parameter or an op, and why.
 
-TARGET is a parameter name (``layers.0.attn.q_proj.weight``), an op's node name from the
-plan (``linear_3``) or a module path (its last op). The plan does not store the model, so
-the model is built and traced again (on ``meta``): ``--model`` defaults to the plan's model
-name, which works for presets; pass the MODEL and ``--config`` given to ``autopar plan``
-otherwise, and its ``--hints`` to see which hint decided. Each alternative layout is costed
-with every other decision as planned (``autopar.report.explain``).
+TARGET is a parameter name (``layers.0.attn.q_proj.weight``), a module path (its last op)
+or an op's node name from the plan. What the plan records (layouts in the mesh's axis
+names, the pipeline stage, the collectives the ledger charges to it) is read from the plan
+file alone (``autopar.report.facts``). ``--alternatives`` costs every other layout it could
+take, with the rest of the plan as it is (``autopar.report.explain``): the plan does not
+keep what it beat, so the model is built and traced again (on ``meta``): ``--model``
+defaults to the plan's model name, which works for presets; pass the MODEL and
+``--config`` given to ``autopar plan`` otherwise, and its ``--hints`` to see which hint
+decided.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from rich.table import Table
 from autopar.cli.render import console, working
 from autopar.model_source import build_model, parse_config
 from autopar.report.explain import Explanation, explain
+from autopar.report.facts import mesh_in_words, plan_facts
 from autopar.report.gradients import explain_gradients
 from autopar.report.offload import explain_offload
 from autopar_passes.hints import resolve_hints
@@ -49,6 +53,11 @@ def add_parser(subparsers: Any) -> None:
         "state in host memory or not, and what it costs (both from the plan alone)",
     )
     parser.add_argument(
+        "--alternatives",
+        action="store_true",
+        help="cost every layout TARGET could take (traces the model again)",
+    )
+    parser.add_argument(
         "--model",
         help="the MODEL the plan was made for (default: the plan's model name, for presets)",
     )
@@ -69,8 +78,10 @@ def run(args: argparse.Namespace) -> int:
         return _gradients(plan, args.format)
     if args.target == "offload":
         return _offload(plan, args.format)
+    if not args.alternatives:
+        return _facts(plan, args.target, args.format)
     source = args.model or plan.model
-    with working(f"tracing {source} to explain {args.target}"):
+    with working(f"tracing {source} to cost the layouts {args.target} could take"):
         try:
             model, inputs, _ = build_model(source, parse_config(args.config), meta=True)
         except UsageError as error:
@@ -93,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2, sort_keys=True))
         return 0
     out = console()
-    out.print(f"[bold]{escape(result.what)}[/bold] on {result.mesh.describe()}")
+    out.print(f"[bold]{escape(result.what)}[/bold] on {escape(mesh_in_words(plan))}")
     out.print(f"decided by {escape(result.decided_by)}")
     for note in result.notes:
         out.print(f"note: {escape(note)}")
@@ -103,6 +114,35 @@ def run(args: argparse.Namespace) -> int:
         for hint in forbidding:
             out.print(f"  {escape(hint)}")
     out.print(options_table(result, None if args.all else 10))
+    return 0
+
+
+def _facts(plan: Plan, target: str, form: str) -> int:
+    """What the plan records about ``target``, from the plan file alone."""
+    facts = plan_facts(plan, target)
+    if form == "json":
+        print(json.dumps(asdict(facts), indent=2, sort_keys=True))
+        return 0
+    out = console()
+    table = Table(title=facts.what, show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    for name, value in facts.rows:
+        table.add_row(name, escape(value))
+    out.print(table)
+    if facts.collectives:
+        sent = Table(title="collectives the plan charges to it (per step, per device)")
+        for column in ("collective", "what", "sent", "time"):
+            sent.add_column(column, justify="right" if column in ("sent", "time") else "left")
+        for row in facts.collectives:
+            sent.add_row(*(escape(cell) for cell in row))
+        out.print(sent)
+    else:
+        out.print("the plan's ledger charges no collective to it by name")
+    out.print(
+        "why this layout and not another: add --alternatives (costs each one; traces the "
+        "model again)"
+    )
     return 0
 
 
@@ -178,13 +218,14 @@ def options_table(result: Explanation, top: int | None) -> Table:
         "compute",
         "resharding",
         "overlappable comm",
-        "memory",
+        "memory / device",
         "why not",
     ):
         table.add_column(
             column,
             justify="right"
-            if column in ("vs plan", "compute", "resharding", "overlappable comm", "memory")
+            if column
+            in ("vs plan", "compute", "resharding", "overlappable comm", "memory / device")
             else "left",
         )
     shown = result.options if top is None else result.options[:top]

@@ -88,17 +88,23 @@ def explain(
         autocast_saved=autocast_saved(traced, plan.precision),
         gather_share=fsdp_group_shares(traced, plan.precision, cast),
     )
-    limit = (
-        plan.memory_limit_bytes * max(plan.parallelism.pp, 1) if plan.memory_limit_bytes else None
+    stages = max(plan.parallelism.pp, 1)
+    limit = plan.memory_limit_bytes
+    # the whole model's problem on one stage's mesh (the layers of every stage)
+    parts = build_problem(
+        decisions, cost, representatives, limit * stages if limit else None, None, microbatches
     )
-    parts = build_problem(decisions, cost, representatives, limit, None, microbatches)
     decision = decisions.bindings[node].decision
     forbidders = _forbidders(plan, decisions, solved_mesh, hints, decision)
-    memory_else = sum(parts.problem.memory[d][k] for d, k in chosen.items() if d != decision)
+    # memory in the plan's unit: the plan's own figure per device (of the target's stage),
+    # and for an alternative its change, of the copies that lie on that stage
+    stage, share = _stage_share(plan, traced, node, decisions.decisions[decision].members)
+    planned = _planned_memory(plan, stage)
+    row = parts.problem.memory[decision]
     options: dict[str, Option] = {}
     for k in range(len(decisions.decisions[decision].strategies)):
         option = _option(parts, decisions, decision, node, k, chosen, microbatches, groups, mesh)
-        option.memory_bytes += memory_else
+        option.memory_bytes = planned + (row[k] - row[chosen[decision]]) * share
         option.chosen = k == chosen[decision]
         option.forbidden_by = sorted(forbidders.get(k, []))
         option.over_memory = limit is not None and option.memory_bytes > limit * 1.000001
@@ -110,11 +116,16 @@ def explain(
     notes = []
     if len(members) > 1:
         notes.append(
-            f"shares one decision with {len(members) - 1} node(s) of identical layers: the "
-            "figures are summed over all of them"
+            f"one decision places it and its {len(members) - 1} copies in identical layers: "
+            "the times are theirs together"
+        )
+    if stages > 1:
+        notes.append(
+            f"memory is per device of stage {stage}, which holds {share:.0%} of its copies: "
+            "the plan's figure for that stage, and each alternative's change to it"
         )
     if decision != node:
-        notes.append(f"takes its layout from {decision}'s decision (it follows that node)")
+        notes.append(f"takes its layout from {_readable(traced, decision)}'s decision")
     return Explanation(target, what, mesh, ranked, _decided_by(ranked), notes)
 
 
@@ -136,6 +147,56 @@ def _collapse(layout: Layout, groups: tuple[tuple[int, ...], ...]) -> Layout | N
             return None
         placements.append(first)
     return Layout(*placements)
+
+
+def _stage_share(
+    plan: Plan, traced: TracedModel, node: str, members: Sequence[str]
+) -> tuple[int, float]:
+    """The pipeline stage that runs ``node``, and the share of a decision's ``members``
+    (the node and its copies in identical layers) that stage runs."""
+    if not plan.stages:
+        return 0, 1.0
+    notes = traced.annotations()
+
+    def stage_of(name: str) -> int | None:
+        note = notes.get(name)
+        if note is None or note.layer is None:
+            return None
+        return next(
+            (
+                s.index % plan.parallelism.pp
+                for s in plan.stages
+                if s.layers[0] <= note.layer <= s.layers[1]
+            ),
+            None,
+        )
+
+    here = stage_of(node)
+    if here is None:
+        here = next((p.stage for p in plan.params.values() if node in p.aliases), 0)
+    on = [m for m in members if stage_of(m) in (here, None)]
+    return here, len(on) / max(len(members), 1)
+
+
+def _planned_memory(plan: Plan, stage: int) -> float:
+    """The plan's memory per device (of ``stage``'s devices in a pipeline)."""
+    for found in plan.estimate.stages:
+        if found.stage == stage:
+            return found.memory_per_device_bytes.total
+    return plan.estimate.memory_per_device_bytes.total
+
+
+def _readable(traced: TracedModel, node: str) -> str:
+    """A graph node said as the user knows it: a parameter by its name, an op by its ATen
+    op and module."""
+    for name, info in traced.params.items():
+        if node in info.nodes:
+            return name
+    note = traced.annotations().get(node)
+    if note is None:
+        return "another op"
+    short = note.op.removeprefix("aten.").split(".")[0]
+    return f"the {short} of {note.module or 'the root module'}"
 
 
 def _find_target(plan: Plan, traced: TracedModel, target: str) -> tuple[str, str]:

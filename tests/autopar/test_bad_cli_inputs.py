@@ -187,7 +187,8 @@ CASES = [
          layouts(W, "S(0)", "R", shape=[63, 16])),
     # autopar explain: the plan, then the model it names
     Case("explain-dim", ["explain", "BAD", W], "shards dim 2", layouts(W, "R", "S(2)")),
-    Case("explain-model", ["explain", "BAD", "layers.0.bias", "--model", "mlp-tiny"],
+    Case("explain-model",
+         ["explain", "BAD", "layers.0.bias", "--alternatives", "--model", "mlp-tiny"],
          "BAD: parameter 'layers.0.weights' is not in the model (did you mean "
          "'layers.0.weight'?)", renamed(W, "layers.0.weights")),
     # autopar codegen --plan: the plan, the mesh, the model

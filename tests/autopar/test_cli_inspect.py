@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 import yaml
 
 from autopar_plans import Plan, load_plan, save_plan
-from autopar_plans.placement import Layout, Replicate, Shard
+from autopar_plans.placement import Layout, Replicate, Shard, format_spec
 from autopar_plans.units import format_bytes
 
 MEGATRON = Path(__file__).resolve().parents[2] / "examples" / "hints" / "megatron.yaml"
@@ -118,7 +119,12 @@ def test_show_comm_prints_the_ledger_with_the_summary_totals(planned):
 
 def test_explain_names_the_hint_that_decided(planned):
     result = run(
-        "explain", str(planned["a"]), "layers.0.attn.q_proj.weight", "--hints", str(MEGATRON)
+        "explain",
+        str(planned["a"]),
+        "layers.0.attn.q_proj.weight",
+        "--alternatives",
+        "--hints",
+        str(MEGATRON),
     )
     assert result.returncode == 0, result.stderr
     assert "decided by the hints" in result.stdout
@@ -127,7 +133,9 @@ def test_explain_names_the_hint_that_decided(planned):
 
 
 def test_explain_an_op_as_json(planned):
-    result = run("explain", str(planned["a"]), "layers.0.attn.o_proj", "--format", "json")
+    result = run(
+        "explain", str(planned["a"]), "layers.0.attn.o_proj", "--alternatives", "--format", "json"
+    )
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     chosen = [o for o in data["options"] if o["chosen"]]
@@ -135,6 +143,26 @@ def test_explain_an_op_as_json(planned):
     assert "partial(tp)" in chosen[0]["layout"]  # row-parallel: the output is a pending sum
     assert all(o["time_s"] >= chosen[0]["time_s"] - 1e-12 for o in data["options"])
     assert data["decided_by"].startswith(("cost", "the plan as a whole"))
+
+
+def test_explain_answers_from_the_plan_alone_in_the_meshs_own_words(planned, tmp_path):
+    """Without --alternatives nothing is traced: the plan file is enough (a model name
+    autopar could not build is never looked at), the mesh axes are the plan's own, and no
+    graph node name of the plan shows."""
+    plan = load_plan(planned["a"])
+    elsewhere = tmp_path / "unbuildable.json"
+    save_plan(plan.model_copy(update={"model": "no-such-model"}), elsewhere)
+    for target in ("layers.0.attn.q_proj.weight", "layers.0.attn.o_proj"):
+        result = run("explain", str(elsewhere), target)
+        assert result.returncode == 0, result.stderr
+        out = result.stdout
+        assert "dp=2 x tp=2" in out and "--alternatives" in out
+        assert not set(re.findall(r"[a-z_]+_\d+", out)) & set(plan.ops)
+    param = run("explain", str(elsewhere), "layers.0.attn.q_proj.weight", "--format", "json")
+    rows = dict(json.loads(param.stdout)["rows"])
+    chosen = plan.params["layers.0.attn.q_proj.weight"]
+    assert rows["layout"] == format_spec(chosen.param, ("dp", "tp"), 2) == "[tp, None]"
+    assert rows["a device holds"] == "1/2 of it"
 
 
 def test_explain_an_unknown_target_suggests_names(planned):
