@@ -56,12 +56,12 @@ def chromium() -> str | None:
     return next((found for name in CANDIDATES if (found := shutil.which(name))), None)
 
 
-def measure(page: Path, width: int, height: int = 2400) -> tuple[list[Box], int]:
+def measure(page: Path, width: int, folder: Path, height: int = 2400) -> tuple[list[Box], int]:
     """The page's text boxes at a window ``width`` pixels wide, and the width it takes
-    (more than ``width``: it scrolls sideways)."""
+    (more than ``width``: it scrolls sideways); the measuring copy goes in ``folder``."""
     browser = chromium()
     assert browser is not None, INSTALL
-    measured = page.with_name(page.stem + f".measure{width}.html")
+    measured = folder / f"{page.stem}.measure{width}.html"
     text = page.read_text(encoding="utf-8")
     measured.write_text(text.replace("</body>", MEASURE + "</body>"), encoding="utf-8")
     done = subprocess.run(

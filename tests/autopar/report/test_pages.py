@@ -46,6 +46,16 @@ def plan(request: pytest.FixtureRequest) -> Plan:
     return request.getfixturevalue(request.param)
 
 
+@pytest.fixture(scope="module")
+def pages(deep: Plan, flat: Plan, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each plan's report, written once."""
+    folder = tmp_path_factory.mktemp("reports")
+    return {
+        name: write_report(made, folder / f"{name}.html")[0]
+        for name, made in (("deep", deep), ("flat", flat))
+    }
+
+
 @pytest.mark.parametrize("view", ["overview", "timeline", "memory", "layouts"])
 def test_no_two_words_of_a_figure_overlap_or_leave_it(plan: Plan, view: str) -> None:
     figure = overview_figure(plan) if view == "overview" else single_figure(plan, view)
@@ -54,22 +64,22 @@ def test_no_two_words_of_a_figure_overlap_or_leave_it(plan: Plan, view: str) -> 
 
 
 @pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("name", ["deep", "flat"])
 def test_the_page_in_a_browser_has_no_overlapping_words(
-    plan: Plan, width: int, tmp_path: Path
+    pages: dict[str, Path], name: str, width: int, tmp_path: Path
 ) -> None:
     """Laid out by Chromium: every run of the page's text and every word of its (inline
     SVG) figures, no two boxes intersecting, and nothing wider than the window. The
     screenshot is kept under ``$AUTOPAR_SCREENSHOTS`` when set, to look at."""
     if chromium() is None:
         pytest.skip(INSTALL)
-    page, _ = write_report(plan, tmp_path / "plan.html")
-    boxes, page_width = measure(page, width)
+    boxes, page_width = measure(pages[name], width, tmp_path)
     assert len(boxes) > 100  # the figures' words are in it, not pictures of them
     assert collisions(boxes) == []
     assert page_width <= width
     keep = os.environ.get("AUTOPAR_SCREENSHOTS")
     if keep:
-        shot = screenshot(page, width, tmp_path / f"{plan.parallelism.pp}-{width}.png")
+        shot = screenshot(pages[name], width, tmp_path / f"{name}-{width}.png")
         shutil.copy(shot, Path(keep) / shot.name)
 
 
@@ -99,23 +109,25 @@ def test_a_short_schedule_is_drawn_whole(flat: Plan) -> None:
     assert not Zoom.of(tasks, 1).active
 
 
-def test_the_bubble_is_one_number_in_every_view(deep: Plan, tmp_path: Path) -> None:
+def test_the_bubble_is_one_number_in_every_view(deep: Plan, pages: dict[str, Path]) -> None:
     """The timeline's title and the step-time table show the plan's bubble, the same
     figure (docs/cli.md defines it); no other idle share is printed."""
     figure = single_figure(deep, "timeline")
     title = figure.axes[0].get_title(loc="left")
     bubble = format_seconds(deep.estimate.bubble_s)
     assert f"bubble {bubble}" in title
-    page = write_report(deep, tmp_path / "plan.html")[0].read_text()
+    page = pages["deep"].read_text()
     assert f'<td class="num">{bubble}</td>' in page
     assert "idle " not in title
 
 
-def test_axes_of_one_device_have_no_column_and_the_stages_a_heading(deep: Plan, tmp_path) -> None:
+def test_axes_of_one_device_have_no_column_and_the_stages_a_heading(
+    deep: Plan, pages: dict[str, Path]
+) -> None:
     """Inside a stage the node axis is one device: every tensor is whole on it, so the
     layout grid leaves it out; the stage table is titled."""
     figure = single_figure(deep, "layouts")
     headers = [t.get_text() for t in figure.axes[0].get_xticklabels()]
     assert headers and not any(h.startswith("node") for h in headers)
-    page = write_report(deep, tmp_path / "plan.html")[0].read_text()
+    page = pages["deep"].read_text()
     assert '<h3 id="stages">Pipeline stages</h3>' in page
