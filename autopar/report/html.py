@@ -85,7 +85,9 @@ def report_html(plan: Plan) -> str:
         '<h2 id="timeline">Pipeline timeline</h2>',
         "<p>Forward (blue) and backward (orange) of each microbatch on each stage, as the "
         f"{html.escape(p.schedule if p.pp > 1 else 'gradient accumulation')} schedule runs "
-        "them from the plan's per-stage estimates; the hatched gaps are the bubble.</p>",
+        "them from the plan's per-stage estimates; the hatched background is idle time, and "
+        "the title gives the plan's bubble, the number in the table below. At hundreds of "
+        "microbatches the steady state is one band per stage that counts what it holds.</p>",
         _image(single_figure(plan, "timeline"), "pipeline timeline"),
         _time_table(plan),
         '<h2 id="memory">Memory per device</h2>',
