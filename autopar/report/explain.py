@@ -208,7 +208,7 @@ def _find_target(plan: Plan, traced: TracedModel, target: str) -> tuple[str, str
     notes = traced.annotations()
     if target in plan.ops and target in notes:
         op = plan.ops[target]
-        return target, f"op {target} ({op.op} in {op.module or 'the root module'})"
+        return target, f"op {_readable(traced, target).removeprefix('the ')} ({op.op})"
     exits = [
         n
         for n, note in notes.items()
@@ -216,7 +216,7 @@ def _find_target(plan: Plan, traced: TracedModel, target: str) -> tuple[str, str
     ]
     if exits:
         last = exits[-1]
-        return last, f"op {last}, the last of module {target} ({notes[last].op})"
+        return last, f"module {target}'s last op ({notes[last].op})"
     close = closest_names(target, [*traced.params, *plan.ops, *{n.module for n in notes.values()}])
     guess = f"; closest: {', '.join(close)}" if close else ""
     raise UsageError(
