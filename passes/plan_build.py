@@ -301,7 +301,26 @@ def _parallelism(
         zero=3 if fsdp else solved.zero,
         microbatches=microbatches,
         axis_roles=roles,
+        sequence_split_ops=_sequence_split_ops(traced, solved),
     )
+
+
+def _sequence_split_ops(traced: TracedModel, solved: Solved) -> int:
+    """Ops whose output has a sequence (3 or more dims, dim 1 longer than 1) and is split on
+    it over an axis of more than one device."""
+    sizes = solved.cost.mesh_shape
+    count = 0
+    for node in traced.graph.nodes:
+        note = node.meta[META_KEY]
+        if node.op != "call_function" or node.name not in solved.decisions.bindings:
+            continue
+        shape = note.outputs[0].shape if note.outputs else ()
+        if len(shape) < 3 or shape[1] < 2 or solved.decisions.bindings[node.name].source:
+            continue
+        layout = solved.output_layout(node.name)
+        if any(p == Shard(1) and size > 1 for p, size in zip(layout, sizes, strict=True)):
+            count += 1
+    return count
 
 
 def is_residual_add(choices: NodeChoices) -> bool:

@@ -47,6 +47,12 @@ class Parallelism(_Frozen):
     microbatches: int = Field(1, ge=1)
     schedule: Schedule = "none"
     chunks: int = Field(1, ge=1, description="Stages per device (interleaved 1F1B's v).")
+    sequence_split_ops: int = Field(
+        0,
+        ge=0,
+        description="Ops whose [batch, sequence, ...] output the plan splits on the "
+        "sequence over some mesh axis (sequence parallelism, or a sequence's tokens spread).",
+    )
     axis_roles: tuple[str, ...] = Field(
         (),
         description="What each axis of the mesh (a pipeline stage's) does to the matmuls, in "

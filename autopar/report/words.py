@@ -1,7 +1,8 @@
 """A plan in the words a person uses, and what in it no one would train with.
 
 ``plan_in_words``: "data parallel 8 across nodes (node) x tensor parallel 8 inside nodes
-(gpu), sequence parallel between its matmuls; FSDP; 16 microbatches of 4 accumulated".
+(gpu), sequence parallel between the tensor-parallel matmuls, activations split by sequence
+in 12 ops; FSDP (...); 16 microbatches of 4 sequences accumulated".
 ``cautions``: a microbatch split over more data-parallel devices than it has sequences, one
 sequence a step spread over a mesh. Both read the plan alone, so a saved plan says the same.
 """
@@ -31,6 +32,8 @@ def plan_in_words(plan: Plan) -> str:
     said = " x ".join(axes) if axes else _unsplit(plan)
     if p.sp > 1:
         said += ", sequence parallel between the tensor-parallel matmuls"
+    if p.sequence_split_ops:
+        said += f", activations split by sequence in {_count(p.sequence_split_ops, 'op')}"
     parts = [said]
     if p.zero:
         parts.append(ZERO[p.zero])

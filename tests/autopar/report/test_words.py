@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import autopar
 from autopar.report.words import cautions, plan_in_words
+from autopar_examples.models import build
 from autopar_plans.mesh import MeshSpec
 from autopar_plans.plan import Parallelism, Plan
 
@@ -62,3 +64,19 @@ def test_a_microbatch_smaller_than_data_parallelism_is_called_out(planned: Plan)
     assert "each microbatch of 4 sequences is split over 16 data-parallel devices" in caution
     assert "at least 16 sequences" in caution
     assert cautions(with_(planned, batch=64, microbatch=16, dp=16)) == []
+
+
+def test_sequence_parallelism_counts_the_ops_it_splits_by_sequence() -> None:
+    """Megatron's tensor and sequence parallelism forced on llama-tiny: the residual stream
+    between the tensor-parallel matmuls is split by sequence, and the words count those ops;
+    a plan that splits nothing says every device runs the whole model."""
+    model, inputs = build("llama-tiny", device="meta", batch_size=8)
+    mesh = autopar.Mesh.cluster(nodes=2, gpus_per_node=2, device="h100-sxm")
+    forced = autopar.plan(model, mesh, inputs, stages=1, force="tp+sp")
+    ops = forced.parallelism.sequence_split_ops
+    assert ops > 0 and forced.parallelism.sp == 2
+    assert f"activations split by sequence in {ops} ops" in plan_in_words(forced)
+    unsplit = forced.model_copy(
+        update={"parallelism": Parallelism(axis_roles=("", "")), "stage_mesh": None}
+    )
+    assert plan_in_words(unsplit) == "every device runs the whole model"
