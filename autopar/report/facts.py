@@ -27,9 +27,8 @@ class Facts:
 
     what: str
     rows: list[tuple[str, str]]
-    collectives: list[tuple[str, str, str, str]] = field(
-        default_factory=list
-    )  # kind, what, sent, time
+    # (collective, what causes it, bytes sent, time), per step and device
+    collectives: list[tuple[str, str, str, str]] = field(default_factory=list)
 
 
 def plan_facts(plan: Plan, target: str) -> Facts:
@@ -39,7 +38,7 @@ def plan_facts(plan: Plan, target: str) -> Facts:
     for name, param in plan.params.items():
         if target == name or target in param.aliases:
             ndim = len(param.shape)
-            shards = _devices_per_copy(param.param, mesh.shape)
+            shards = param.param.shard_factor(mesh.shape)
             rows = [
                 ("mesh", where),
                 ("shape", "x".join(map(str, param.shape)) + f" ({param.dtype})"),
@@ -102,10 +101,6 @@ def mesh_in_words(plan: Plan) -> str:
         return plan.mesh.describe()
     stage, whole = plan.stage_mesh.describe(), plan.mesh.describe()
     return f"one pipeline stage's devices, {stage}, of {whole}"
-
-
-def _devices_per_copy(layout: Layout, shape: tuple[int, ...]) -> int:
-    return layout.shard_factor(shape)
 
 
 def _placements(layout: Layout, names: tuple[str, ...]) -> str:
