@@ -5,11 +5,6 @@ A test marked ``alone`` measures the machine (``autopar calibrate``'s timings), 
 work on the cores would distort: it runs with no other worker's test running. Every test
 holds a shared lock on one file for the run, from the first fixture it sets up to its
 teardown; an ``alone`` test holds it exclusively.
-
-Files that start real ranks (``multirank``) are handed out first, then those that plan
-full-size models (``slow``), then the rest, each file's tests in their own order: with one
-file per worker, a long file handed out last leaves the other worker idle at the end (the
-longest-first rule of scheduling), and the suite's time is the busier worker's.
 """
 
 from __future__ import annotations
@@ -35,20 +30,3 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
             return (yield)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The heaviest files first (module docstring); a stable sort keeps every file's tests
-    together and in order."""
-    weight: dict[str, int] = {}
-    for item in items:
-        path = str(item.path)
-        heavy = (
-            2
-            if item.get_closest_marker("multirank")
-            else 1
-            if item.get_closest_marker("slow")
-            else 0
-        )
-        weight[path] = max(weight.get(path, 0), heavy)
-    items.sort(key=lambda item: -weight[str(item.path)])
