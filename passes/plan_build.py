@@ -159,6 +159,8 @@ def _on_mesh(plan: Plan, mesh: MeshSpec, groups: tuple[tuple[int, ...], ...]) ->
             for axis in group:
                 spread[axis] = role
         roles = tuple(spread)
+    # an axis of one device splits nothing (inside a stage, the pipeline's own axis)
+    roles = tuple(role if size > 1 else "" for role, size in zip(roles, mesh.shape, strict=False))
     parallelism = plan.parallelism.model_copy(update={"axis_roles": roles})
     return plan.model_copy(
         update={"mesh": mesh, "params": params, "ops": ops, "parallelism": parallelism}

@@ -129,5 +129,6 @@ def test_axes_of_one_device_have_no_column_and_the_stages_a_heading(
     figure = single_figure(deep, "layouts")
     headers = [t.get_text() for t in figure.axes[0].get_xticklabels()]
     assert headers and not any(h.startswith("node") for h in headers)
+    assert deep.parallelism.axis_roles[0] == ""  # nor has it a role in the plan's words
     page = pages["deep"].read_text()
     assert '<h3 id="stages">Pipeline stages</h3>' in page
