@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from autopar.report.views import short_op
 from autopar_cost_model.collectives import MeshCost
 from autopar_cost_model.hardware import load_preset
 from autopar_passes.costs import CostModel, fsdp_group_shares
@@ -195,8 +196,7 @@ def _readable(traced: TracedModel, node: str) -> str:
     note = traced.annotations().get(node)
     if note is None:
         return "another op"
-    short = note.op.removeprefix("aten.").split(".")[0]
-    return f"the {short} of {note.module or 'the root module'}"
+    return f"the {short_op(note.op)} of {note.module or 'the root module'}"
 
 
 def _find_target(plan: Plan, traced: TracedModel, target: str) -> tuple[str, str]:

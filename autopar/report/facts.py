@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autopar.report.views import what_in_words
+from autopar.report.views import short_op, what_in_words
 from autopar_plans.errors import UsageError
 from autopar_plans.hints import closest_names
 from autopar_plans.placement import Layout, format_spec
@@ -60,8 +60,7 @@ def plan_facts(plan: Plan, target: str) -> Facts:
         if layout is not None
     ]
     rows.append(("output", _placements(op.output, names)))
-    short = op.op.removeprefix("aten.").split(".")[0]
-    what = f"op {short} of {op.module or 'the root module'}"
+    what = f"op {short_op(op.op)} of {op.module or 'the root module'}"
     return Facts(what, rows, _collectives(plan, {node}))
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
 
 from autopar.report.views import (
     MemoryBar,
@@ -61,7 +62,7 @@ def draw_timeline(ax: Axes, plan: Plan) -> None:
     span = makespan(tasks)
     zoom = Zoom.of(tasks, stages)
     scale, unit = _time_unit(span)
-    shown = zoom.shown(span)
+    shown = zoom.at(span)
     for device in range(stages):
         ax.barh(
             device,
@@ -75,9 +76,9 @@ def draw_timeline(ax: Axes, plan: Plan) -> None:
         )
     char_width = shown * scale / 180  # a 7-point digit, as a share of the axis
     for task in tasks:
-        start, end = zoom.at(task.start), zoom.at(task.end)
         if zoom.hides(task):
             continue
+        start, end = zoom.at(task.start), zoom.at(task.end)
         width = (end - start) * scale
         shade = 1.0 - 0.35 * (task.chunk // stages) / max(p.chunks - 1, 1) if p.chunks > 1 else 1
         colour = FORWARD if task.kind == "F" else BACKWARD
@@ -204,9 +205,6 @@ class Zoom:
             return t - (self.end - self.start) + self.band
         return self.start + self.band * (t - self.start) / (self.end - self.start)
 
-    def shown(self, span: float) -> float:
-        return self.at(span)
-
     def hides(self, task: Task) -> bool:
         """A block that overlaps the band is in its count, not drawn."""
         return self.active and task.end > self.start and task.start < self.end
@@ -222,8 +220,6 @@ class Zoom:
 
 def _zoomed_ticks(zoom: Zoom, span: float) -> list[float]:
     """Schedule times for the axis: nice ticks before the band and after it."""
-    from matplotlib.ticker import MaxNLocator
-
     locator = MaxNLocator(nbins=4)
     scale, _ = _time_unit(span)
     before = [

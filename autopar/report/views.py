@@ -202,6 +202,11 @@ def stage_times(plan: Plan) -> tuple[list[float], list[float]]:
     return [per_microbatch / 3], [2 * per_microbatch / 3]
 
 
+def short_op(op: str) -> str:
+    """An ATen op's short name: ``aten.linear.default`` -> ``linear``."""
+    return op.removeprefix("aten.").split(".")[0]
+
+
 def op_in_words(plan: Plan, node: str) -> str:
     """An op of the plan as its module and the ATen op's short name, the layer index
     folded (``layers.*.attn_norm mul``); the node's own name only where the plan does not
@@ -209,7 +214,7 @@ def op_in_words(plan: Plan, node: str) -> str:
     op = plan.ops.get(node)
     if op is None:
         return node
-    short = op.op.removeprefix("aten.").split(".")[0]
+    short = short_op(op.op)
     module = ".".join("*" if part.isdigit() else part for part in op.module.split("."))
     return f"{module} {short}" if module else short
 
