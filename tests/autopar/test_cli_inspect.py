@@ -165,6 +165,27 @@ def test_explain_answers_from_the_plan_alone_in_the_meshs_own_words(planned, tmp
     assert rows["a device holds"] == "1/2 of it"
 
 
+def test_explain_alternatives_speak_the_plans_units_and_names(planned):
+    """--alternatives: the chosen layout's memory is the plan's own figure per device (an
+    alternative's, that figure changed), and neither the target line nor the notes name a
+    graph node."""
+    plan = load_plan(planned["a"])
+    result = run(
+        "explain", str(planned["a"]), "layers.0.attn.o_proj", "--alternatives", "--format", "json"
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    chosen = next(o for o in data["options"] if o["chosen"])
+    assert chosen["memory_bytes"] == pytest.approx(plan.estimate.memory_per_device_bytes.total)
+    assert data["what"] == "module layers.0.attn.o_proj's last op (aten.linear.default)"
+    node = next(n for n, op in plan.ops.items() if op.module == "layers.0.attn.o_proj")
+    by_node = run("explain", str(planned["a"]), node, "--alternatives", "--format", "json")
+    named = json.loads(by_node.stdout)
+    assert named["what"] == "op linear of layers.0.attn.o_proj (aten.linear.default)"
+    words = " ".join([data["what"], *data["notes"], named["what"], *named["notes"]])
+    assert not set(re.findall(r"[a-z_]+_\d+", words)) & set(plan.ops)
+
+
 def test_explain_an_unknown_target_suggests_names(planned):
     result = run("explain", str(planned["a"]), "layers.0.attn.q_prj.weight")
     assert result.returncode == 2, result.stderr
