@@ -69,9 +69,10 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from autopar_passes.ilp_relax import relax_edges
 from autopar_passes.mip import Lin, Mip, MipResult
 from autopar_plans.plan import SolverReport
 
@@ -363,7 +364,46 @@ def solve_ilp(
 ) -> IlpSolution:
     """Build and solve the ILP; ``feasible`` is False when no choice fits (or, with
     ``cutoff``, none is faster than it: the solver prunes by it and proves that quickly;
-    ``work_cutoff`` bounds the objective less the exposed communication ``t``)."""
+    ``work_cutoff`` bounds the objective less the exposed communication ``t``).
+
+    Where a memory limit or a cutoff may leave no plan, the relaxation without edge
+    variables (``autopar_passes.ilp_relax``) is solved first: when it has no plan, neither
+    has the ILP, proved at a tenth of the cost (llama3-8b's search on 64 devices: 14 of its
+    27 proofs, 0.1 s each against 1.3-3 s). Otherwise the ILP is solved as before."""
+    start = time.perf_counter()
+    if problem.edges and (
+        cutoff is not None or work_cutoff is not None or problem.memory_limit is not None
+    ):
+        budget = time_limit / RELAXED_SHARE
+        relaxed = _solve(relax_edges(problem), budget, backend, cutoff, work_cutoff, any_plan=True)
+        if relaxed.report.status == "infeasible":
+            report = relaxed.report.model_copy(
+                update={
+                    "status": "infeasible (its relaxation without edge variables has no plan)",
+                    "time_s": time.perf_counter() - start,
+                }
+            )
+            return replace(relaxed, report=report)
+    solution = _solve(problem, time_limit, backend, cutoff, work_cutoff)
+    report = solution.report.model_copy(update={"time_s": time.perf_counter() - start})
+    return replace(solution, report=report)
+
+
+# the relaxation's work budget: a share of the ILP's (it has a twentieth of its columns,
+# and a proof it cannot give quickly is left to the ILP)
+RELAXED_SHARE = 10.0
+
+
+def _solve(
+    problem: IlpProblem,
+    time_limit: float,
+    backend: str,
+    cutoff: float | None,
+    work_cutoff: float | None,
+    any_plan: bool = False,
+) -> IlpSolution:
+    """``solve_ilp`` on ``problem`` itself; ``any_plan``: only whether it has a plan (the
+    solve stops at the first it finds)."""
     start = time.perf_counter()
     model = Mip()
     select: dict[str, list[Lin | float]] = {}
@@ -456,7 +496,7 @@ def solve_ilp(
         model.add(objective.minus(exposed.scaled(problem.sync_passes)), upper=work_cutoff)
 
     beat_this = cutoff is not None or work_cutoff is not None
-    limit = WorkLimit.of(time_limit, beat_this)
+    limit = replace(WorkLimit.of(time_limit, beat_this), any_plan=any_plan)
     presolve = PRESOLVE_OFF if beat_this else PRESOLVE_ON
     result = model.solve(CLOCK_FACTOR * time_limit, backend, dict(presolve), limit)
     elapsed = time.perf_counter() - start
@@ -711,12 +751,14 @@ class WorkLimit:
     """HiGHS's interrupt callback: stop a solve by the work it did, in the solver's
     checkpoints (``WorkLimit.of`` a budget). ``give_up``: with a cutoff, stop a solve that
     has no plan after this many (None: no cutoff); ``most``: stop any solve after this
-    many, with its best plan. ``fired`` says which stopped it ("" for neither)."""
+    many, with its best plan; ``any_plan``: stop at the first plan. ``fired`` says which
+    stopped it ("" for none)."""
 
     give_up: int | None
     most: int
     checks: int = 0
     fired: str = ""
+    any_plan: bool = False  # stop at the first plan: only whether there is one matters
 
     @staticmethod
     def of(budget_s: float, beat_this: bool) -> WorkLimit:
@@ -726,7 +768,10 @@ class WorkLimit:
 
     def __call__(self, kind: int, message: str, out: Any, into: Any, data: Any) -> None:
         self.checks += 1
-        if (
+        if self.any_plan and math.isfinite(out.mip_primal_bound):
+            into.user_interrupt = True
+            self.fired = "found a plan"
+        elif (
             self.give_up is not None
             and self.checks > self.give_up
             and not math.isfinite(out.mip_primal_bound)

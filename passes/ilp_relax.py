@@ -1,0 +1,180 @@
+"""A small relaxation of the intra-op ILP: its edges folded into the decisions' own rows.
+
+The ILP's size is its edges' class-pair variables (llama3-8b on 8x8: 59,000 of 61,000
+columns, ``autopar_passes.ilp``), and a proof that no plan beats a cutoff costs the root LP
+over all of them (1.3-3 s each, dozens per search). The relaxation drops the pairs: each
+edge matrix ``M[p, q]`` (a resharding's seconds, a resharded copy's bytes, a gather's
+seconds, a recomputed reshard's seconds) is bounded from below by *potentials*
+``a[p] + b[q] <= M[p, q]`` over the class pairs the allowed choices reach, with::
+
+    a[p] = min_q M[p, q],    b[q] = min_p (M[p, q] - a[p])
+
+and ``a`` joins the producer's per-choice row, ``b`` the consumer's. What recomputation
+frees is bounded from above the same way (``a[p] = max_q``, ``b[q] = max_p``). A group call
+runs when a whole row or column of its members is chosen (``g`` only bounded by those); a
+prefetch link counts its gathers by their lower potentials and is hidden whenever its part
+before may gather.
+
+For whole choices every term of the relaxation is at most the ILP's (time, memory) or at
+least it (memory freed), so each plan of the ILP is a plan of the relaxation, no slower:
+when the relaxation has no plan under a memory limit and a cutoff, neither has the ILP.
+It has no edge variables (2,500 columns where the ILP has 61,000), so that proof costs a
+fraction of the ILP's, when the relaxation is tight enough to give it
+(``autopar_passes.solve``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # autopar_passes.ilp imports this module to solve the relaxation
+    from autopar_passes.ilp import (
+        EdgeTerm,
+        GroupCall,
+        IlpProblem,
+        Matrix,
+        PrefetchLink,
+        RecomputeTerm,
+    )
+
+Potentials = "tuple[dict[int, float], dict[int, float]]"
+
+
+def relax_edges(problem: IlpProblem, keep: frozenset[int] = frozenset()) -> IlpProblem:
+    """``problem`` with its edges but ``keep`` folded into their decisions' rows (module
+    docstring); a folded edge stays in the list, empty, so indices hold."""
+    cost = {d: list(row) for d, row in problem.cost.items()}
+    memory = {d: list(row) for d, row in problem.memory.items()}
+    reach = [_reached(problem, edge) for edge in problem.edges]
+    edges = list(problem.edges)
+    for e, (edge, (left, right)) in enumerate(zip(problem.edges, reach, strict=True)):
+        if e in keep:
+            continue
+        _fold(cost, problem, edge, _lower(edge.cost, left, right))
+        _fold(memory, problem, edge, _lower(edge.memory, left, right))
+        edges[e] = replace(edge, cost={}, memory={})
+    calls = [_relaxed_call(problem, call, reach, keep) for call in problem.group_calls]
+    links = [_relaxed_link(problem, link, reach, keep) for link in problem.prefetch]
+    recompute = [_relaxed_term(problem, term, reach, keep) for term in problem.recompute]
+    return replace(
+        problem,
+        cost=cost,
+        memory=memory,
+        edges=edges,
+        group_calls=calls,
+        prefetch=links,
+        recompute=recompute,
+    )
+
+
+def _reached(problem: IlpProblem, edge: EdgeTerm) -> tuple[set[int], set[int]]:
+    """The classes the allowed choices of each side give."""
+
+    def classes(decision: str, of_choice: tuple[int, ...]) -> set[int]:
+        allowed = problem.allowed.get(decision, range(problem.choices[decision]))
+        return {of_choice[k] for k in allowed}
+
+    return classes(edge.left, edge.left_class), classes(edge.right, edge.right_class)
+
+
+def _lower(matrix: Matrix, left: set[int], right: set[int]) -> Potentials:
+    """``a[p] + b[q] <= matrix[p, q]`` on the reached pairs (missing pairs are 0)."""
+    if not left or not right or not any(matrix.values()):
+        return {}, {}
+    a = {p: min(matrix.get((p, q), 0.0) for q in right) for p in left}
+    b = {q: min(matrix.get((p, q), 0.0) - a[p] for p in left) for q in right}
+    return a, b
+
+
+def _upper(matrix: Matrix, left: set[int], right: set[int]) -> Potentials:
+    """``a[p] + b[q] >= matrix[p, q]`` on the reached pairs."""
+    a, b = _lower({pq: -v for pq, v in matrix.items()}, left, right)
+    return {p: -v for p, v in a.items()}, {q: -v for q, v in b.items()}
+
+
+def _fold(
+    rows: dict[str, list[float]], problem: IlpProblem, edge: EdgeTerm, potentials: Potentials
+) -> None:
+    """Add an edge's potentials to its two decisions' per-choice ``rows``."""
+    a, b = potentials
+    for decision, of_choice, values in (
+        (edge.left, edge.left_class, a),
+        (edge.right, edge.right_class, b),
+    ):
+        if not any(values.values()):
+            continue
+        row = rows.setdefault(decision, [0.0] * problem.choices[decision])
+        for k, cls in enumerate(of_choice):
+            row[k] += values.get(cls, 0.0)
+
+
+def _relaxed_call(
+    problem: IlpProblem,
+    call: GroupCall,
+    reach: list[tuple[set[int], set[int]]],
+    keep: frozenset[int],
+) -> GroupCall:
+    """A call that runs when one of its member decisions' choices does, or when a chosen
+    class's whole row (column) of an edge's reached pairs is among its members."""
+    choices = {d: set(members) for d, members in call.choices.items()}
+    for e, members in call.edges.items():
+        if e in keep:
+            continue
+        edge = problem.edges[e]
+        left, right = reach[e]
+        full_rows = {p for p in left if all((p, q) in members for q in right)}
+        full_cols = {q for q in right if all((p, q) in members for p in left)}
+        for decision, of_choice, full in (
+            (edge.left, edge.left_class, full_rows),
+            (edge.right, edge.right_class, full_cols),
+        ):
+            ks = {k for k, cls in enumerate(of_choice) if cls in full}
+            if ks:
+                choices.setdefault(decision, set()).update(ks)
+    edges = {e: members for e, members in call.edges.items() if e in keep}
+    return replace(call, edges=edges, choices={d: frozenset(ks) for d, ks in choices.items()})
+
+
+def _relaxed_link(
+    problem: IlpProblem,
+    link: PrefetchLink,
+    reach: list[tuple[set[int], set[int]]],
+    keep: frozenset[int],
+) -> PrefetchLink:
+    """A link whose folded gathers count their lower potentials; where the part before
+    has a folded gather, it always hides this one (a wait no longer than the ILP's)."""
+    choices = {d: list(row) for d, row in link.choices.items()}
+    for e, members in link.edges.items():
+        if e not in keep:
+            _fold(choices, problem, problem.edges[e], _lower(members, *reach[e]))
+    after = link.after
+    if after is not None and any(e not in keep for e in problem.prefetch[after].edges):
+        after = None
+    edges = {e: members for e, members in link.edges.items() if e in keep}
+    return replace(link, edges=edges, choices=choices, after=after)
+
+
+def _relaxed_term(
+    problem: IlpProblem,
+    term: RecomputeTerm,
+    reach: list[tuple[set[int], set[int]]],
+    keep: frozenset[int],
+) -> RecomputeTerm:
+    """A region whose edges' freed bytes count their upper potentials and whose replayed
+    reshards count their lower ones."""
+    saving = {d: list(row) for d, row in term.saving.items()}
+    forward = {d: list(row) for d, row in term.forward.items()}
+    for e, matrix in term.edge_saving.items():
+        if e not in keep:
+            _fold(saving, problem, problem.edges[e], _upper(matrix, *reach[e]))
+    for e, matrix in term.edge_forward.items():
+        if e not in keep:
+            _fold(forward, problem, problem.edges[e], _lower(matrix, *reach[e]))
+    return replace(
+        term,
+        saving=saving,
+        forward=forward,
+        edge_saving={e: m for e, m in term.edge_saving.items() if e in keep},
+        edge_forward={e: m for e, m in term.edge_forward.items() if e in keep},
+    )
