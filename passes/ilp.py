@@ -371,7 +371,7 @@ def solve_ilp(
     has the ILP, proved at a tenth of the cost (llama3-8b's search on 64 devices: 14 of its
     27 proofs, 0.1 s each against 1.3-3 s). Otherwise the ILP is solved as before."""
     start = time.perf_counter()
-    if problem.edges and (
+    if _pair_columns(problem) >= RELAXED_WHEN * sum(problem.choices.values()) and (
         cutoff is not None or work_cutoff is not None or problem.memory_limit is not None
     ):
         budget = time_limit / RELAXED_SHARE
@@ -392,6 +392,15 @@ def solve_ilp(
 # the relaxation's work budget: a share of the ILP's (it has a twentieth of its columns,
 # and a proof it cannot give quickly is left to the ILP)
 RELAXED_SHARE = 10.0
+# tried where the edges' pair columns outnumber the choices this many times: its cost
+# goes with the choices, the ILP's with both (llama3-8b on 8x8: 58,900 pairs, 2,521
+# choices; where they are few, a proof costs the ILP little more than the relaxation)
+RELAXED_WHEN = 10
+
+
+def _pair_columns(problem: IlpProblem) -> int:
+    """The class-pair columns the edges would take (an upper bound: fixed sides take none)."""
+    return sum(len(set(e.left_class)) * len(set(e.right_class)) for e in problem.edges)
 
 
 def _solve(
