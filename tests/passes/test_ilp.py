@@ -98,3 +98,28 @@ def test_a_budget_in_seconds_is_a_number_of_checkpoints() -> None:
     after a third of them, as the clock-based rule did after a third of the time."""
     assert WorkLimit.of(60.0, beat_this=False) == WorkLimit(None, 200)
     assert WorkLimit.of(60.0, beat_this=True) == WorkLimit(66, 200)
+
+
+@pytest.mark.parametrize("cutoff", ["cutoff", "work_cutoff"])
+def test_a_proof_that_finds_no_plan_at_its_root_is_solved_again_with_presolve(
+    monkeypatch: pytest.MonkeyPatch, cutoff: str
+) -> None:
+    """A solve under a cutoff starts without presolve (a proof ends at its root); one that
+    has no plan after ``SWITCH_CHECKS`` checkpoints is a search after all, and starts again
+    with presolve, to the same answer."""
+    problem = _random_problem(decisions=120, choices=4)
+    best = solve_ilp(problem)
+    assert best.feasible and best.report.objective is not None
+    runs: list[dict[str, object]] = []
+    solve = ilp.Mip.solve
+
+    def spy(self: ilp.Mip, time_limit: float, backend: str, options: dict, callback: object):
+        runs.append(dict(options))
+        return solve(self, time_limit, backend, options, callback)
+
+    monkeypatch.setattr(ilp.Mip, "solve", spy)
+    monkeypatch.setattr(ilp, "SWITCH_CHECKS", 0)  # switch at the first checkpoint
+    found = solve_ilp(problem, **{cutoff: best.report.objective * 1.5})
+    assert runs == [ilp.PRESOLVE_OFF, ilp.PRESOLVE_ON]
+    assert found.feasible and found.report.objective == pytest.approx(best.report.objective)
+    assert not found.report.status.startswith(("gave up", "presolve"))
