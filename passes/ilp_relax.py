@@ -20,7 +20,7 @@ least it (memory freed), so each plan of the ILP is a plan of the relaxation, no
 when the relaxation has no plan under a memory limit and a cutoff, neither has the ILP.
 It has no edge variables (2,500 columns where the ILP has 61,000), so that proof costs a
 fraction of the ILP's, when the relaxation is tight enough to give it
-(``autopar_passes.solve``).
+(``autopar_passes.ilp.solve_ilp``).
 """
 
 from __future__ import annotations
@@ -38,30 +38,25 @@ if TYPE_CHECKING:  # autopar_passes.ilp imports this module to solve the relaxat
         RecomputeTerm,
     )
 
-Potentials = "tuple[dict[int, float], dict[int, float]]"
+Potentials = tuple[dict[int, float], dict[int, float]]
 
 
-def relax_edges(problem: IlpProblem, keep: frozenset[int] = frozenset()) -> IlpProblem:
-    """``problem`` with its edges but ``keep`` folded into their decisions' rows (module
-    docstring); a folded edge stays in the list, empty, so indices hold."""
+def relax_edges(problem: IlpProblem) -> IlpProblem:
+    """``problem`` with its edges folded into their decisions' rows (module docstring)."""
     cost = {d: list(row) for d, row in problem.cost.items()}
     memory = {d: list(row) for d, row in problem.memory.items()}
     reach = [_reached(problem, edge) for edge in problem.edges]
-    edges = list(problem.edges)
-    for e, (edge, (left, right)) in enumerate(zip(problem.edges, reach, strict=True)):
-        if e in keep:
-            continue
+    for edge, (left, right) in zip(problem.edges, reach, strict=True):
         _fold(cost, problem, edge, _lower(edge.cost, left, right))
         _fold(memory, problem, edge, _lower(edge.memory, left, right))
-        edges[e] = replace(edge, cost={}, memory={})
-    calls = [_relaxed_call(problem, call, reach, keep) for call in problem.group_calls]
-    links = [_relaxed_link(problem, link, reach, keep) for link in problem.prefetch]
-    recompute = [_relaxed_term(problem, term, reach, keep) for term in problem.recompute]
+    calls = [_relaxed_call(problem, call, reach) for call in problem.group_calls]
+    links = [_relaxed_link(problem, link, reach) for link in problem.prefetch]
+    recompute = [_relaxed_term(problem, term, reach) for term in problem.recompute]
     return replace(
         problem,
         cost=cost,
         memory=memory,
-        edges=edges,
+        edges=[],
         group_calls=calls,
         prefetch=links,
         recompute=recompute,
@@ -110,17 +105,12 @@ def _fold(
 
 
 def _relaxed_call(
-    problem: IlpProblem,
-    call: GroupCall,
-    reach: list[tuple[set[int], set[int]]],
-    keep: frozenset[int],
+    problem: IlpProblem, call: GroupCall, reach: list[tuple[set[int], set[int]]]
 ) -> GroupCall:
     """A call that runs when one of its member decisions' choices does, or when a chosen
     class's whole row (column) of an edge's reached pairs is among its members."""
     choices = {d: set(members) for d, members in call.choices.items()}
     for e, members in call.edges.items():
-        if e in keep:
-            continue
         edge = problem.edges[e]
         left, right = reach[e]
         full_rows = {p for p in left if all((p, q) in members for q in right)}
@@ -132,49 +122,32 @@ def _relaxed_call(
             ks = {k for k, cls in enumerate(of_choice) if cls in full}
             if ks:
                 choices.setdefault(decision, set()).update(ks)
-    edges = {e: members for e, members in call.edges.items() if e in keep}
-    return replace(call, edges=edges, choices={d: frozenset(ks) for d, ks in choices.items()})
+    return replace(call, edges={}, choices={d: frozenset(ks) for d, ks in choices.items()})
 
 
 def _relaxed_link(
-    problem: IlpProblem,
-    link: PrefetchLink,
-    reach: list[tuple[set[int], set[int]]],
-    keep: frozenset[int],
+    problem: IlpProblem, link: PrefetchLink, reach: list[tuple[set[int], set[int]]]
 ) -> PrefetchLink:
-    """A link whose folded gathers count their lower potentials; where the part before
-    has a folded gather, it always hides this one (a wait no longer than the ILP's)."""
+    """A link whose gathers on edges count their lower potentials; where the part before
+    gathers on an edge, it always hides this one (a wait no longer than the ILP's)."""
     choices = {d: list(row) for d, row in link.choices.items()}
     for e, members in link.edges.items():
-        if e not in keep:
-            _fold(choices, problem, problem.edges[e], _lower(members, *reach[e]))
+        _fold(choices, problem, problem.edges[e], _lower(members, *reach[e]))
     after = link.after
-    if after is not None and any(e not in keep for e in problem.prefetch[after].edges):
+    if after is not None and problem.prefetch[after].edges:
         after = None
-    edges = {e: members for e, members in link.edges.items() if e in keep}
-    return replace(link, edges=edges, choices=choices, after=after)
+    return replace(link, edges={}, choices=choices, after=after)
 
 
 def _relaxed_term(
-    problem: IlpProblem,
-    term: RecomputeTerm,
-    reach: list[tuple[set[int], set[int]]],
-    keep: frozenset[int],
+    problem: IlpProblem, term: RecomputeTerm, reach: list[tuple[set[int], set[int]]]
 ) -> RecomputeTerm:
     """A region whose edges' freed bytes count their upper potentials and whose replayed
     reshards count their lower ones."""
     saving = {d: list(row) for d, row in term.saving.items()}
     forward = {d: list(row) for d, row in term.forward.items()}
     for e, matrix in term.edge_saving.items():
-        if e not in keep:
-            _fold(saving, problem, problem.edges[e], _upper(matrix, *reach[e]))
+        _fold(saving, problem, problem.edges[e], _upper(matrix, *reach[e]))
     for e, matrix in term.edge_forward.items():
-        if e not in keep:
-            _fold(forward, problem, problem.edges[e], _lower(matrix, *reach[e]))
-    return replace(
-        term,
-        saving=saving,
-        forward=forward,
-        edge_saving={e: m for e, m in term.edge_saving.items() if e in keep},
-        edge_forward={e: m for e, m in term.edge_forward.items() if e in keep},
-    )
+        _fold(forward, problem, problem.edges[e], _lower(matrix, *reach[e]))
+    return replace(term, saving=saving, forward=forward, edge_saving={}, edge_forward={})
