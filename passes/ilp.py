@@ -371,12 +371,13 @@ def solve_ilp(
     has the ILP, proved at a tenth of the cost (llama3-8b's search on 64 devices: 14 of its
     27 proofs, 0.1 s each against 1.3-3 s). Otherwise the ILP is solved as before."""
     start = time.perf_counter()
-    if _pair_columns(problem) >= RELAXED_WHEN * sum(problem.choices.values()) and (
+    may_have_none = (
         cutoff is not None or work_cutoff is not None or problem.memory_limit is not None
-    ):
+    )
+    if may_have_none and _pair_columns(problem) >= RELAXED_WHEN * sum(problem.choices.values()):
         budget = time_limit / RELAXED_SHARE
         relaxed = _solve(relax_edges(problem), budget, backend, cutoff, work_cutoff, any_plan=True)
-        if relaxed.report.status == "infeasible":
+        if not relaxed.feasible and not relaxed.timed_out:  # proved to have none
             report = relaxed.report.model_copy(
                 update={
                     "status": "infeasible (its relaxation without edge variables has no plan)",
@@ -505,11 +506,10 @@ def _solve(
         model.add(objective.minus(exposed.scaled(problem.sync_passes)), upper=work_cutoff)
 
     beat_this = cutoff is not None or work_cutoff is not None
-    limit = replace(WorkLimit.of(time_limit, beat_this), any_plan=any_plan)
-    if beat_this and not any_plan:
-        # a proof first, without presolve; one that finds no plan past its root is
-        # looking for a plan after all, which presolve finds faster (module comment)
-        limit = replace(limit, switch=SWITCH_CHECKS)
+    # a proof first, without presolve; one that finds no plan past its root is looking
+    # for a plan after all, which presolve finds faster (module comment)
+    switch = SWITCH_CHECKS if beat_this and not any_plan else None
+    limit = replace(WorkLimit.of(time_limit, beat_this), any_plan=any_plan, switch=switch)
     presolve = PRESOLVE_OFF if beat_this else PRESOLVE_ON
     result = model.solve(CLOCK_FACTOR * time_limit, backend, dict(presolve), limit)
     if limit.fired == SWITCHED:
