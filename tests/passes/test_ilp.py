@@ -120,6 +120,6 @@ def test_a_proof_that_finds_no_plan_at_its_root_is_solved_again_with_presolve(
     monkeypatch.setattr(ilp.Mip, "solve", spy)
     monkeypatch.setattr(ilp, "SWITCH_CHECKS", 0)  # switch at the first checkpoint
     found = solve_ilp(problem, **{cutoff: best.report.objective * 1.5})
-    assert runs == [ilp.PRESOLVE_OFF, ilp.PRESOLVE_ON]
+    assert runs == [ilp.PROOF, ilp.SEARCH]
     assert found.feasible and found.report.objective == pytest.approx(best.report.objective)
     assert not found.report.status.startswith(("gave up", "presolve"))
