@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Mapping
 
 from autopar_passes.annotation import META_KEY
-from autopar_passes.strategies.graph import graph_choices, tensor_inputs
+from autopar_passes.strategies.graph import tensor_inputs, traced_choices
 from autopar_passes.strategies.types import Strategy
 from autopar_passes.trace import TracedModel
 from autopar_plans.errors import PlanFileError
@@ -33,7 +33,7 @@ class PlanLayouts:
         self.layouts: dict[tuple[str, int], Layout] = {}
         # a pipeline plan's layouts are on one stage's mesh
         mesh_shape = (plan.stage_mesh or plan.mesh).shape
-        choices, _ = graph_choices(traced.graph, mesh_shape)
+        choices, _ = traced_choices(traced, mesh_shape)
         for info in traced.params.values():
             if info.name not in plan.params:
                 raise PlanFileError(

@@ -45,7 +45,7 @@ from autopar_passes.pipeline.search import PipelineRequest, plan_pipeline
 from autopar_passes.plan_build import MATMULS, is_residual_add
 from autopar_passes.recompute import RecomputeHint
 from autopar_passes.solve import Constraint, Constraints, group_axes, grouped_mesh, no_constraints
-from autopar_passes.strategies.graph import NodeChoices, graph_choices, tensor_inputs
+from autopar_passes.strategies.graph import NodeChoices, tensor_inputs, traced_choices
 from autopar_passes.strategies.types import Strategy
 from autopar_passes.trace import TracedModel
 from autopar_plans.errors import HintError, InfeasiblePlanError, UsageError
@@ -670,7 +670,7 @@ class _Context:
         self.structure = structure
         self.mesh = mesh
         traced = structure.traced
-        choices, _ = graph_choices(traced.graph, mesh.shape)
+        choices, _ = traced_choices(traced, mesh.shape)
         representatives = traced_representatives(traced)
         tied = {n: info.nodes[0] for info in traced.params.values() for n in info.nodes[1:]}
         self.decisions: Decisions = group_decisions(choices, representatives, tied)

@@ -60,7 +60,7 @@ from autopar_passes.recompute import (
     recompute_budgets,
     recompute_terms,
 )
-from autopar_passes.strategies.graph import NodeChoices, graph_choices
+from autopar_passes.strategies.graph import NodeChoices, traced_choices
 from autopar_passes.strategies.types import Strategy
 from autopar_passes.trace import TracedModel
 from autopar_plans.buckets import BUCKET_BYTES
@@ -264,7 +264,7 @@ def _solve(
     """
     mesh = grouped_mesh(request.mesh, groups)
     request = replace(request, mesh=mesh)
-    choices, warnings = graph_choices(traced.graph, mesh.shape)
+    choices, warnings = traced_choices(traced, mesh.shape)
     tied = {node: info.nodes[0] for info in traced.params.values() for node in info.nodes[1:]}
     decisions = group_decisions(choices, traced_representatives(traced), tied)
     representatives = decisions.representatives

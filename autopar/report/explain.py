@@ -27,7 +27,7 @@ from autopar_passes.mixed_precision import autocast_saved, working_cast_nodes
 from autopar_passes.plan_build import expand_layout
 from autopar_passes.problem import ProblemParts, build_problem
 from autopar_passes.solve import group_axes, grouped_mesh
-from autopar_passes.strategies.graph import graph_choices
+from autopar_passes.strategies.graph import traced_choices
 from autopar_passes.trace import TracedModel
 from autopar_plans.errors import PlanFileError, UsageError
 from autopar_plans.hints import closest_names
@@ -73,7 +73,7 @@ def explain(
     mesh = plan.stage_mesh or plan.mesh
     groups = _grouping(plan, mesh)
     solved_mesh = grouped_mesh(mesh, groups)
-    choices, _ = graph_choices(traced.graph, solved_mesh.shape)
+    choices, _ = traced_choices(traced, solved_mesh.shape)
     tied = {n: info.nodes[0] for info in traced.params.values() for n in info.nodes[1:]}
     decisions = group_decisions(choices, traced_representatives(traced), tied)
     representatives = decisions.representatives
