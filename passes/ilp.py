@@ -191,11 +191,9 @@ class PrefetchLink:
     hides what compute hides of it, its compute at its least (``hiding``, ``C``, a constant
     as the gradient sync's ``B_min``). With ``f`` the share compute hides
     (``IlpProblem.overlap``) it waits ``(1 - f) G + f max(0, G - C)``: the edges carry
-    ``(1 - f) G`` (``autopar_passes.problem`` takes ``f G`` off them) and, with ``w >= 0``
-    and ``0 <= y <= 1`` at most the sum of the indicators of its members that gather (and
-    of the link's before it, ``after``)::
+    ``(1 - f) G`` (``autopar_passes.problem`` takes ``f G`` off them) and, with ``w >= 0``::
 
-        w >= G - C y,    objective: + f weight w
+        w >= G - C,    objective: + f weight w
 
     ``weight``: how many such gathers a step runs (identical layers times microbatches).
     The first gather of a pass hides behind nothing (``C = 0``)."""
@@ -206,8 +204,8 @@ class PrefetchLink:
     choices: dict[str, list[float]] = field(default_factory=dict)
     calls: dict[int, float] = field(default_factory=dict)  # ``IlpProblem.group_calls`` index
     # the link (index in ``IlpProblem.prefetch``) whose gathers launch this one: ``C``
-    # hides it only when that link gathers (``y <= its members``); None: whenever this
-    # one gathers (a layer behind an identical one gathers whenever it does)
+    # hides it only when that link gathers (``y <= its members``, ``w >= G - C y``);
+    # None: always (a layer behind an identical one gathers whenever it does)
     after: int | None = None
 
     def seconds(self, problem: IlpProblem, choice: dict[str, int]) -> float:
@@ -303,7 +301,7 @@ def objective_at(problem: IlpProblem, choice: dict[str, int]) -> float:
     running = [call for call in problem.group_calls if call.runs(problem, choice)]
     total += sum(call.cost for call in running if not call.overlappable)
     for link in problem.prefetch:
-        launched = link.after is None or problem.prefetch[link.after].seconds(problem, choice)
+        launched = link.after is not None and problem.prefetch[link.after].seconds(problem, choice)
         waits = max(link.seconds(problem, choice) - (link.hiding if launched else 0.0), 0.0)
         total += problem.overlap * link.weight * waits
     overlapped = sum(problem.overlappable.get(d, [0.0] * (k + 1))[k] for d, k in choice.items())
@@ -469,18 +467,12 @@ def _solve(
     gathers_of = [_link_terms(link, pairs, select, runs_of) for link in links]
     for i, link in enumerate(links):
         wait = model.variable(0.0)
-        seconds, gathers = gathers_of[i]
-        if link.hiding > 0:
-            # C hides it where it gathers and, for a link after another, where that one
-            # gathers too (it launches this gather): w >= G - C y, with y at most both
-            # indicators; y <= its own is exact for whole choices and keeps the LP from
-            # hiding C behind a fraction of a gather (llama3-8b of 96 layers: a root bound
-            # 4.2% under the optimum)
-            hidden = model.variable(0.0, 1.0)
-            model.at_most(hidden, gathers)
-            if link.after is not None:
-                model.at_most(hidden, gathers_of[link.after][1])
-            seconds = seconds.minus(hidden.scaled(link.hiding))
+        seconds = gathers_of[i][0]
+        if link.after is not None and link.hiding > 0:
+            # the part before hides it only if it gathers too (it launches this gather)
+            launched = model.variable(0.0, 1.0)
+            model.at_most(launched, gathers_of[link.after][1])
+            seconds = seconds.minus(launched.scaled(link.hiding))
         model.at_most(seconds, wait)
         objective.add(wait, problem.overlap * link.weight)
     exposed = model.variable(0.0)

@@ -170,23 +170,6 @@ def test_the_solver_hides_prefetched_gathers_as_the_ledger_does(tmp_path):
             assert plan.solver.objective == pytest.approx(plan.estimate.step_time_s, rel=0.01)
 
 
-@pytest.mark.parametrize("overlap", [1.0, 0.5])
-def test_identical_layers_hide_their_gathers_behind_the_layer_before_as_the_ledger_does(
-    tmp_path, overlap: float
-):
-    """Of ``L`` identical layers the ILP prices one link for the first and one, weighted
-    ``L - 1``, for the rest, each hidden behind an identical layer that gathers whenever
-    it does: the ledger's ``g + (L - 1) max(0, g - c)``. The second link was charged
-    whole, ``(L - 1) g``: gpt-tiny of 6 layers under FSDP 1.11 of its ledger's step
-    (1.05 at half the overlap), where 2 layers, one link each, agreed."""
-    model, (tokens,) = build("gpt-tiny", device="meta", batch_size=64, n_layer=6)
-    mesh = _fast_link_mesh(tmp_path, overlap)
-    plan = autopar.plan(model, mesh, (tokens,), stages=1, force="fsdp")
-    waits = [e for e in plan.estimate.comm if e.what.startswith("FSDP gather") and e.exposed_s]
-    assert waits  # the forward's first gathers wait: the objective counts them
-    assert plan.solver.objective == pytest.approx(plan.estimate.step_time_s, rel=0.01)
-
-
 def test_a_zero_bucket_shrinking_axis_by_axis_pays_each_axis_call_as_the_runtime_does():
     """ZeRO reduce-scatters a bucket over one mesh axis, then its piece over the next: the
     second call moves an eighth of the bytes on 8x8 but is a whole call of the (shrunk)
