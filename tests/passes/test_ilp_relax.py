@@ -5,6 +5,7 @@ less and replays no more, so a cutoff it proves hopeless is hopeless for the ILP
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -129,3 +130,31 @@ def test_a_cutoff_the_relaxation_proves_hopeless_is_hopeless_for_the_ilp(problem
         assert with_relaxation.report.objective == alone.report.objective
     found = solve_ilp(problem, cutoff=best * 1.01)
     assert found.feasible and found.report.objective == pytest.approx(best, rel=1e-9)
+
+
+def test_a_link_launched_by_gathers_on_an_edge_waits_no_longer_in_the_relaxation():
+    """Layer ``b``'s gather (an edge, 1 s) hides behind the part before (``C`` = 2 s)
+    when that part gathers, on an edge too, as it does where ``a`` takes choice 1: the
+    ILP's wait is 0. The relaxation cannot tell from potentials whether the part
+    before gathers; it had taken the link as never hidden, a wait of 1 s, dearer than the
+    ILP, so a cutoff it called hopeless might not have been."""
+    identity = (0, 1)
+    problem = IlpProblem(
+        choices={"a": 2, "b": 2, "c": 2},
+        cost={d: [0.0, 0.0] for d in "abc"},
+        memory={d: [0.0, 0.0] for d in "abc"},
+        edges=[
+            ilp.EdgeTerm("a", "b", identity, identity, {(1, 0): 0.5, (1, 1): 0.5}),
+            ilp.EdgeTerm("b", "c", identity, identity, {(1, 0): 1.0, (1, 1): 1.0}),
+        ],
+        prefetch=[
+            ilp.PrefetchLink(1.0, 0.0, edges={0: {(1, 0): 0.5, (1, 1): 0.5}}),
+            ilp.PrefetchLink(1.0, 2.0, edges={1: {(1, 0): 1.0, (1, 1): 1.0}}, after=0),
+        ],
+    )
+    relaxed = relax_edges(problem)
+    for a, b, c in itertools.product((0, 1), repeat=3):
+        choice = {"a": a, "b": b, "c": c}
+        assert objective_at(relaxed, choice) <= objective_at(problem, choice)
+    gathering = {"a": 1, "b": 1, "c": 0}
+    assert objective_at(problem, gathering) == pytest.approx(0.5 + 1.0 + 0.5)  # edges + first
