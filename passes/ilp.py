@@ -759,10 +759,10 @@ def _add_edge(
 # 28,362 columns as at 8 layers) spent 8.4 s of 12.1 s in 71 sub-MIPs. Measured side by
 # side, each problem solved both ways: llama3-8b of 16, 64 and 96 layers 7.0, 9.4 and
 # 11.7 s with them, 3.4, 6.2 and 6.5 s without; ResNet-50's above 26.8 s and 11.3-14.0 s;
-# every MIP of llama3-8b's quality search on 8x8 80.7 s and 79.7 s; the
-# CLI's default two 2.5 s and 2.7 s (medians of 3). Same statuses, objectives equal within
-# the gap tolerance. (Restarts off instead gained more on the depth sweep but doubled
-# llama3-8b's first memory-bounded solve, 20 s to 40 s.)
+# every MIP of llama3-8b's quality search on 8x8 80.7 s and 79.7 s; the CLI's default two
+# 2.5 s and 2.7 s (medians of 3). Same statuses, objectives equal within the gap tolerance.
+# (Restarts off instead gained more on the depth sweep but doubled llama3-8b's first
+# memory-bounded solve, 20 s to 40 s.)
 PROOF = {"presolve": "off"}
 SEARCH = {
     "presolve_rule_off": 1 << 15,  # probing off

@@ -136,14 +136,16 @@ def _relaxed_link(
     choices = {d: list(row) for d, row in link.choices.items()}
     for e, members in link.edges.items():
         _fold(choices, problem, problem.edges[e], _lower(members, *reach[e]))
-    relaxed = replace(link, edges={}, choices=choices)
-    if link.after is None or link.hiding <= 0 or not problem.prefetch[link.after].edges:
-        return relaxed
+    launched_by_edges = (
+        link.after is not None and link.hiding > 0 and bool(problem.prefetch[link.after].edges)
+    )
+    if not launched_by_edges:
+        return replace(link, edges={}, choices=choices)
     if not choices:
-        return replace(relaxed, weight=0.0)
+        return replace(link, edges={}, choices=choices, weight=0.0)
     first = next(iter(choices))
     choices[first] = [value - link.hiding for value in choices[first]]
-    return replace(relaxed, after=None, hiding=0.0)
+    return replace(link, edges={}, choices=choices, after=None, hiding=0.0)
 
 
 def _relaxed_term(

@@ -28,10 +28,10 @@ from autopar_passes.annotation import META_KEY, NodeAnnotation, TensorInfo
 from autopar_passes.strategies.inplace import mutates_first_input
 from autopar_passes.strategies.table import rule_for
 from autopar_passes.strategies.types import OpCall, Strategy, replicate_all
+from autopar_plans.placement import REPLICATE, Layout, Placement, Shard
 
 if TYPE_CHECKING:
     from autopar_passes.trace import TracedModel
-from autopar_plans.placement import REPLICATE, Layout, Placement, Shard
 
 
 @dataclass(frozen=True, slots=True)
