@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 
 import torch
 
@@ -56,8 +57,16 @@ class Part:
     cost: CostModel | None = None
     _at: dict[float, tuple[float, float, float]] = field(default_factory=dict)
     # parameter gathers (FSDP) and their adjoints, one microbatch: the same bytes whatever
-    # its size, and not hidden (the runtime gathers a parameter when it is used)
+    # its size, whole (``chain_time`` takes off what the prefetch hides)
     gather_s: float = 0.0
+    # of those, the FSDP groups' gathers the runtime prefetches behind the part before
+    # (forward) and their regathers behind the part after (backward), with the calls'
+    # fixed costs (``CostModel.prefetched``, ``GroupCallCost.gather``, ``.regather``)
+    prefetched: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    # the FSDP group calls it runs (``CostModel.group_call``; in ``gather_s``, once a
+    # group a microbatch): key -> (pass, fixed seconds, of which the prefetch hides)
+    calls: dict[CallKey, tuple[int, float, float]] = field(default_factory=dict)
+    overlap: float = 0.0  # the share of communication compute hides (``comm_overlap``)
     activations: float = 0.0  # saved bytes, one microbatch
     # autocast's 16-bit copies of fp32 weights the part's matmuls keep: cast once a step,
     # whatever the microbatches in flight (one autocast context around the schedule caches
@@ -93,8 +102,17 @@ class Part:
 
     def time_at(self, scale: float) -> float:
         """Per microbatch of ``scale`` times the traced batch: compute and resharding as
-        they run at that size (``at``), parameter gathers as traced (the same bytes)."""
+        they run at that size (``at``), parameter gathers as traced (the same bytes), whole:
+        run alone, nothing before it hides them (``chain_time``)."""
         return self.compute_at(scale) + self.at(scale)[2] + self.gather_s
+
+    def ops_at(self, scale: float) -> tuple[float, float]:
+        """(forward, backward) seconds of the part's ops alone at ``scale``, without what
+        recomputation and offload add: the compute the ledger hides a prefetched gather
+        behind (``autopar_passes.ledger.place_compute``)."""
+        forward, backward, _ = self.at(scale)
+        extra = (self.recompute_s + self.offload_s) * scale + self.fetch_s
+        return forward, backward - extra
 
     def compute_at(self, scale: float) -> float:
         """Forward and backward compute of a microbatch of ``scale`` times the traced batch."""
@@ -131,6 +149,45 @@ class Part:
             extra = (self.recompute_s + self.offload_s) * scale + self.fetch_s
             self._at[scale] = (forward, backward + extra, comm)
         return self._at[scale]
+
+
+def without_calls(part: Part, keys: Iterable[CallKey]) -> Part:
+    """``part`` without the group calls of ``keys``: run on the same stage as a part that
+    makes them (a tied weight's group, gathered once a microbatch for the embedding and
+    the head alike)."""
+    gather, hides = part.gather_s, list(part.prefetched)
+    calls = dict(part.calls)
+    for key in keys:
+        side, seconds, hidden = calls.pop(key)
+        gather -= seconds
+        hides[side] -= hidden
+    return replace(part, gather_s=gather, prefetched=hides, calls=calls)
+
+
+def prefetch_hidden(before: Part, after: Part, scale: float) -> float:
+    """Seconds per microbatch that FSDP's prefetch hides of two parts run one after the
+    other on a stage: ``after``'s gathers behind ``before``'s forward, where ``before``
+    gathers too (its gathers launch them: ``runtime.param_groups`` chains groups), and
+    ``before``'s regathers behind ``after``'s backward, where ``after`` regathers. Each
+    is ``f min(g, c)``, with ``f`` the share compute hides: the ledger's wait
+    ``(1 - f) g + f max(0, g - c)`` (``autopar_cost_model.step.prefetch_waits``), taken
+    off the whole ``g`` in ``time_at``. A gather whose chain skips a part that gathers
+    nothing is taken as launched by nothing (the ledger hides it behind the group before)."""
+    hidden = 0.0
+    if before.prefetched[0] > 0:
+        hidden += min(after.prefetched[0], before.ops_at(scale)[0])
+    if after.prefetched[1] > 0:
+        hidden += min(before.prefetched[1], after.ops_at(scale)[1])
+    return before.overlap * hidden
+
+
+def chain_time(parts: Sequence[Part], scale: float) -> float:
+    """Per microbatch of ``scale`` times the traced batch, the time of ``parts`` run on one
+    stage in this order (what runs before the layers first, what runs after last): each
+    part's ``time_at``, less what each prefetch hides behind its neighbour
+    (``prefetch_hidden``); the first part's gathers, and the last's regathers, wait whole."""
+    total = sum(part.time_at(scale) for part in parts)
+    return total - sum(prefetch_hidden(a, b, scale) for a, b in pairwise(parts))
 
 
 def held_activations(parts: Sequence[Part], in_flight: float, scale: float) -> float:
@@ -185,8 +242,9 @@ def layer_costs(
     cost = replace(
         solved.cost, batch_scale=1.0, in_flight=1.0
     )  # per traced microbatch; the search scales
-    parts = [Part(cost=cost) for _ in range(count)]
-    pre, post = Part(cost=cost), Part(cost=cost)
+    overlap = cost.mesh_cost.preset.comm_overlap
+    parts = [Part(cost=cost, overlap=overlap) for _ in range(count)]
+    pre, post = Part(cost=cost, overlap=overlap), Part(cost=cost, overlap=overlap)
     first_layer_seen = False
     part_of: dict[str, Part] = {}
     for node in traced.graph.nodes:
@@ -242,8 +300,6 @@ def layer_costs(
     kept: set[tuple[str, int]] = set()  # activations whose resharded copy is counted
     sole = sole_keepers(decisions)
     kept_by = first_keepers(decisions)
-    # FSDP group calls each part runs, with their fixed cost (once a group: ``group_call``)
-    calls: dict[int, dict[CallKey, float]] = {}
     for node in traced.graph.nodes:
         if node.name not in decisions.bindings or node.op not in ("call_function", "output"):
             continue
@@ -291,11 +347,15 @@ def layer_costs(
             f, b = cost.edge_time(*reshard, param=source.producer, output=node.op == "output")
             if producer.kind == "param":
                 part.gather_s += f + b
+                gather, regather = cost.prefetched(*reshard, param=source.producer)
+                part.prefetched[0] += gather
+                part.prefetched[1] += regather
                 call = cost.group_call(*reshard, param=source.producer)
                 if call is not None:
-                    runs = calls.setdefault(id(part), {})
-                    for key, seconds, _ in call.calls():
-                        runs[key] = max(runs.get(key, 0.0), seconds)
+                    for key, seconds, side in call.calls():
+                        fixed = call.gather if side == 0 else call.regather
+                        _, known, hidden = part.calls.get(key, (side, 0.0, 0.0))
+                        part.calls[key] = (side, max(known, seconds), max(hidden, fixed))
                 found = cost.autocast_saved
                 if found is not None and (source.producer, node.name) in found.weight_casts:
                     info = producer.note.outputs[source.index]
@@ -316,7 +376,9 @@ def layer_costs(
                     cost, info, src, strategy.inputs[i], sole.get(source.producer) == node.name
                 )
     for part in (pre, *parts, post):
-        part.gather_s += sum(calls.get(id(part), {}).values())
+        part.gather_s += sum(seconds for _, seconds, _ in part.calls.values())
+        for side, _, hidden in part.calls.values():
+            part.prefetched[side] += hidden
     if cost.offload.parameters:
         _fetches(traced, solved, cost, part_of)
     for layer, (saving, forward) in recomputed_layers(solved).items():

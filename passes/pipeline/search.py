@@ -51,9 +51,11 @@ from autopar_passes.offload_ledger import stage_host
 from autopar_passes.pipeline.layer_costs import (
     LayerCosts,
     Part,
+    chain_time,
     first_calls,
     held_activations,
     layer_costs,
+    without_calls,
 )
 from autopar_passes.pipeline.ledger import pipeline_ledger, with_pipeline_ledger
 from autopar_passes.pipeline.stage_cut import StageCut, cut_stages, evaluate_cut
@@ -306,14 +308,22 @@ def _stage_budgets(
 def _least_work(solved: Solved, mesh: MeshSpec, p: int, time_limit: float) -> float:
     """The least compute and resharding per step of any plan on a stage's mesh: with no
     memory limit (so no ZeRO or recomputation) and all overlappable communication hidden
-    (``IlpProblem.hide_all``). A smaller microbatch costs proportionally (the search's
-    scaling), so this is the same at every microbatch size."""
+    (``IlpProblem.hide_all``), FSDP's prefetched gathers as far as compute hides any
+    (no ``PrefetchLink``: the layer costs hide them behind the compute a configuration
+    runs, which may exceed the least the links assume). A smaller microbatch costs
+    proportionally (the search's scaling), so this is the same at every microbatch size.
+    """
     if len(group_axes(_stage_mesh(mesh, p))) > 1:
         # solved on the best of several groupings of the axes: a bound from one grouping's
         # problem says nothing of the others' (a mesh of three axes or more)
         return 0.0
     problem = replace(
-        solved.parts.problem, memory_limit=None, recompute=[], recompute_budgets=[], hide_all=True
+        solved.parts.problem,
+        memory_limit=None,
+        recompute=[],
+        recompute_budgets=[],
+        hide_all=True,
+        prefetch=[],
     )
     relaxed = solve_ilp(problem, time_limit)
     return (relaxed.report.objective or 0.0) if relaxed.feasible else 0.0
@@ -656,12 +666,14 @@ def _evaluate(
     scale = b / source.batch
     limit = request.solve.memory_limit
     if p == 1:
-        parts = [costs.pre, *costs.layers, costs.post]
+        # a tied weight's group gathers once a microbatch, for the embedding and the head
+        post = without_calls(costs.post, costs.pre.calls.keys() & costs.post.calls.keys())
+        parts = [costs.pre, *costs.layers, post]
         # as the intra-op ILP counts it: compute, resharding and parameter gathers per
-        # microbatch; gradient sync once (ZeRO-2: every microbatch), hidden bucket by bucket
-        # behind one backward each time (autopar_cost_model.step.exposed_gradient_sync); ZeRO's
-        # gathers after the step
-        time = sum(part.time_at(scale) for part in parts)
+        # microbatch, less what their prefetch hides; gradient sync once (ZeRO-2: every
+        # microbatch), hidden bucket by bucket behind one backward each time
+        # (autopar_cost_model.step.exposed_gradient_sync); ZeRO's gathers after the step
+        time = chain_time(parts, scale)
         states = sum(part.states for part in parts) - _shared_states(costs)
         # offloaded parameters' working copies in flight are transient like activations
         # and held beside them (0 without): counted with them
@@ -847,7 +859,7 @@ def _interleaved_cut(
         held = microbatches_in_flight("interleaved", p, s, m, v)
         state = sum(part.states for part in parts)
         act = held_activations(parts, held, scale)
-        times.append(sum(part.time_at(scale) for part in parts) + p2p[s])
+        times.append(chain_time(parts, scale) + p2p[s])
         states.append(state)
         acts.append(act)
         memory.append(state + act)
@@ -856,8 +868,9 @@ def _interleaved_cut(
 
 
 def _stage_parts(costs: LayerCosts, cut: StageCut | None, p: int, chunks: int) -> list[list[Part]]:
-    """The parts each device stage runs: its layers (interleaved, ``chunks`` equal chunks
-    round the stages; else ``cut``'s), the first also ``pre``, the last also ``post``."""
+    """The parts each device stage runs, in the order it runs them (a prefetch chain,
+    ``chain_time``): its layers (interleaved, ``chunks`` equal chunks round the stages;
+    else ``cut``'s), on the first stage after ``pre``, on the last before ``post``."""
     layers = len(costs.layers)
     stages = []
     for s in range(p):
@@ -868,12 +881,8 @@ def _stage_parts(costs: LayerCosts, cut: StageCut | None, p: int, chunks: int) -
             assert cut is not None, "a cut without chunks"
             first, last = cut.layers_of(s, layers)
             mine = list(range(first, last + 1))
-        parts: list[Part] = [costs.layers[i] for i in mine]
-        if s == 0:
-            parts.append(costs.pre)
-        if s == p - 1:
-            parts.append(costs.post)
-        stages.append(parts)
+        layers_here: list[Part] = [costs.layers[i] for i in mine]
+        stages.append([costs.pre] * (s == 0) + layers_here + [costs.post] * (s == p - 1))
     return stages
 
 

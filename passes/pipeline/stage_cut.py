@@ -10,6 +10,7 @@ after the layers, choose ``x[i, s]`` (layer ``i`` runs on stage ``s``)::
                                                     contiguous, in order, no stage skipped
          x[0, 0] = 1,  x[L-1, p-1] = 1              first and last stage hold a layer each
          T_s = sum_l x[i, s] t_l + [s = 0] t_pre + [s = p-1] t_post + c_s
+               - (what FSDP's prefetch hides between neighbours on stage s)
          T_max >= T_s
          sum_l x[i, s] (w_l + f_s a_l) + [s = 0] (w_pre + f_0 a_pre)
              + [s = p-1] (w_post + f_{p-1} a_post) <= M          memory of stage s
@@ -17,17 +18,27 @@ after the layers, choose ``x[i, s]`` (layer ``i`` runs on stage ``s``)::
 ``f_s`` is the number of microbatches stage ``s`` holds in flight under the schedule
 (``autopar_cost_model.memory.microbatches_in_flight``: m for GPipe, min(p - s, m) for 1F1B), ``c_s``
 the point-to-point time of the activations stage ``s`` sends and receives, ``M`` the memory
-per device. Solved exactly by dynamic programming (``cut_stages``).
+per device. A stage's parts run as a chain (``layer_costs.chain_time``): each layer's
+gathers hide behind the layer before it on the same stage, and its regathers behind the
+one after; the stage's first gathers and last regathers wait whole. Solved exactly by
+dynamic programming (``cut_stages``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from autopar_cost_model.memory import microbatches_in_flight
 from autopar_cost_model.offload import FETCHES_IN_FLIGHT
-from autopar_passes.pipeline.layer_costs import LayerCosts, held_activations
+from autopar_passes.pipeline.layer_costs import (
+    LayerCosts,
+    Part,
+    chain_time,
+    held_activations,
+    prefetch_hidden,
+)
 
 
 @dataclass(frozen=True)
@@ -60,17 +71,24 @@ def cut_stages(
     microbatch size; ``p2p_s[s]`` is stage ``s``'s point-to-point time per microbatch.
 
     In the objective above, ``sum_s T_s`` is every layer's time plus the parts' and the
-    point-to-point times whatever the cut, so the best cut is the one with the least
-    ``T_max`` among those that fit: a min-max partition of a sequence, which dynamic
-    programming solves exactly in ``O(p L^2)`` steps (Alpa's stage DP has this shape, Zheng
-    et al. 2022). As an ILP, with the memory rows binding, HiGHS took up to its time
-    limit per (microbatch size, schedule) on llama3-70b over 64 stages.
+    point-to-point times, less what the prefetch hides across the ``p - 1`` boundaries,
+    so the best cut is the one with the least ``T_max`` among those that fit, up to that
+    hiding (at most a layer's gathers a boundary: ``evaluate_cut`` prices the cut
+    chosen as it runs): a min-max partition of a sequence, which dynamic programming
+    solves exactly in ``O(p L^2)`` steps (Alpa's stage DP has this shape, Zheng et al.
+    2022). As an ILP, with the memory rows binding, HiGHS took up to its time limit per
+    (microbatch size, schedule) on llama3-70b over 64 stages.
     """
     count, p = len(costs.layers), stages
     if p > count:
         return None
     held = [microbatches_in_flight(schedule, p, s, microbatches) for s in range(p)]
     time_sum = _prefix([layer.time_at(scale) for layer in costs.layers])
+    # hidden[k]: what the prefetch hides between the first k + 1 parts of the chain
+    # (before the layers, each layer, after), each pair once: a stage's parts are a run of
+    # the chain, and hide what lies between their first and last
+    chain: list[Part] = [costs.pre, *costs.layers, costs.post]
+    hidden = _prefix([prefetch_hidden(a, b, scale) for a, b in pairwise(chain)])
     state_sum = _prefix([layer.states for layer in costs.layers])
     act_sum = _prefix([layer.activations for layer in costs.layers])
     cast_sum = _prefix([layer.casts for layer in costs.layers])
@@ -80,6 +98,9 @@ def cut_stages(
         """Time and memory of stage ``s`` holding layers ``first .. end - 1``, of which the
         largest fetches ``working`` bytes (offloaded parameters)."""
         time = time_sum[end] - time_sum[first] + p2p_s[s]
+        # the chain's indices: layer i is part i + 1
+        start, stop = (0 if s == 0 else first + 1), (count + 1 if s == p - 1 else end)
+        time -= hidden[stop] - hidden[start]
         states = state_sum[end] - state_sum[first]
         acts = act_sum[end] - act_sum[first]
         casts = cast_sum[end] - cast_sum[first]
@@ -149,14 +170,11 @@ def evaluate_cut(
     for s in range(p):
         end = first_layers[s + 1] if s + 1 < p else count
         parts = [costs.layers[i] for i in range(first_layers[s], end)]
-        if s == 0:
-            parts.append(costs.pre)
-        if s == p - 1:
-            parts.append(costs.post)
+        parts = [costs.pre] * (s == 0) + parts + [costs.post] * (s == p - 1)
         held = microbatches_in_flight(schedule, p, s, microbatches)
         state = sum(part.states for part in parts)
         act = held_activations(parts, held, scale)
-        times.append(sum(part.time_at(scale) for part in parts) + p2p_s[s])
+        times.append(chain_time(parts, scale) + p2p_s[s])
         states.append(state)
         acts.append(act)
         memory.append(state + act)

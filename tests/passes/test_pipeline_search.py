@@ -584,3 +584,31 @@ def test_a_pipelines_recomputation_is_its_pacing_stages_not_every_stages():
     assert [s.layers for s in plan.stages] == [(0, 1), (2, 3)]
     every_stage = sum(region.recompute_s for region in plan.recompute)
     assert plan.estimate.recompute_s == pytest.approx(every_stage / 2, rel=1e-9)
+
+
+@pytest.mark.parametrize("overlap", [1.0, 0.5])
+def test_fsdp_stages_are_ranked_by_the_gathers_their_ledger_waits_for(fast_link_mesh, overlap):
+    """Under FSDP a stage's layers prefetch each other's gathers (forward) and regathers
+    (backward), as the ledger hides them; the first of each waits whole. So a
+    runner-up's figure is what its plan, asked for, promises. Charged whole, two stages
+    of gpt-tiny (6 layers, on a fast link) were ranked at 1.25 of their plan's step."""
+    model, (tokens,) = build("gpt-tiny", device="meta", batch_size=64, n_layer=6)
+    mesh = fast_link_mesh(overlap, devices=8)
+    plan = autopar.plan(model, mesh, (tokens,), stages=2, force="fsdp")
+    runners_up = [a for a in plan.alternatives if a.parallelism.pp == 2][:2]
+    assert runners_up
+    for alternative in runners_up:
+        wanted = alternative.parallelism
+        again = autopar.plan(
+            model,
+            mesh,
+            (tokens,),
+            stages=2,
+            microbatches=wanted.microbatches,
+            schedule=wanted.schedule,
+            force="fsdp",
+        )
+        assert again.parallelism == wanted
+        gathers = [e for e in again.estimate.comm if e.what.startswith("FSDP gather")]
+        assert any(0 < e.exposed_s < e.time_s for e in gathers)  # some hidden, not all
+        assert again.estimate.step_time_s == pytest.approx(alternative.step_time_s, rel=0.01)
