@@ -12,8 +12,8 @@ seconds, a recomputed reshard's seconds) is bounded from below by *potentials*
 and ``a`` joins the producer's per-choice row, ``b`` the consumer's. What recomputation
 frees is bounded from above the same way (``a[p] = max_q``, ``b[q] = max_p``). A group call
 runs when a whole row or column of its members is chosen (``g`` only bounded by those); a
-prefetch link counts its gathers by their lower potentials, and is hidden always where the
-part before gathers on an edge (whether it launches the gather is not known).
+prefetch link counts its gathers by their lower potentials, and is hidden always where it
+or the part before gathers on an edge (whether it gathers, or launches it, is not known).
 
 For whole choices every term of the relaxation is at most the ILP's (time, memory) or at
 least it (memory freed), so each plan of the ILP is a plan of the relaxation, no slower:
@@ -128,18 +128,18 @@ def _relaxed_call(
 def _relaxed_link(
     problem: IlpProblem, link: PrefetchLink, reach: list[tuple[set[int], set[int]]]
 ) -> PrefetchLink:
-    """A link whose gathers on edges count their lower potentials. Where the part before
-    gathers on an edge, whether it launches this gather (and hides it) is no longer known:
-    the link is taken as always hidden, ``w >= G - C`` with ``C`` taken off one member's
-    row (the ILP's ``w >= G - C y``, ``y <= 1``, waits no less); without rows, it waits
-    nothing."""
+    """A link whose gathers on edges count their lower potentials. Where it or the part
+    before gathers on an edge, whether it gathers (and is hidden) is no longer known: a
+    folded row may be 0 where the edge's pair gathers. The link is then taken as always
+    hidden, ``w >= G - C`` with ``C`` taken off one member's row (the ILP's
+    ``w >= G - C y``, ``y <= 1``, waits no less); without rows, it waits nothing."""
     choices = {d: list(row) for d, row in link.choices.items()}
     for e, members in link.edges.items():
         _fold(choices, problem, problem.edges[e], _lower(members, *reach[e]))
-    launched_by_edges = (
-        link.after is not None and link.hiding > 0 and bool(problem.prefetch[link.after].edges)
+    unknown = link.hiding > 0 and (
+        bool(link.edges) or (link.after is not None and bool(problem.prefetch[link.after].edges))
     )
-    if not launched_by_edges:
+    if not unknown:
         return replace(link, edges={}, choices=choices)
     if not choices:
         return replace(link, edges={}, choices=choices, weight=0.0)

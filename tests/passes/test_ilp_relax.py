@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -130,6 +131,35 @@ def test_a_cutoff_the_relaxation_proves_hopeless_is_hopeless_for_the_ilp(problem
         assert with_relaxation.report.objective == alone.report.objective
     found = solve_ilp(problem, cutoff=best * 1.01)
     assert found.feasible and found.report.objective == pytest.approx(best, rel=1e-9)
+
+
+def test_a_link_that_gathers_on_an_edge_waits_no_longer_in_the_relaxation():
+    """A link of identical layers (``after`` None) hides behind the layer before (``C`` =
+    2 s) whenever it gathers: here on the edge ``a -> b`` (0.1 s where ``a`` takes choice 1
+    and ``b`` 0) and in its group's call (1 s): the ILP's wait is 0. The edge's lower
+    potentials are 0, so its folded rows say nothing of whether it gathers; taken as
+    never hidden there, the relaxation waited for the call, 1.0 s where the ILP costs
+    0.1 s."""
+    identity = (0, 1)
+    problem = IlpProblem(
+        choices={"a": 2, "b": 2},
+        cost={"a": [0.0, 0.0], "b": [0.0, 0.0]},
+        memory={"a": [0.0, 0.0], "b": [0.0, 0.0]},
+        edges=[ilp.EdgeTerm("a", "b", identity, identity, {(1, 0): 0.1})],
+        group_calls=[ilp.GroupCall(0.0, edges={0: frozenset({(1, 0), (1, 1)})})],
+        prefetch=[ilp.PrefetchLink(1.0, 2.0, edges={0: {(1, 0): 0.1}}, calls={0: 1.0})],
+    )
+    relaxed = relax_edges(problem)
+    for a, b in itertools.product((0, 1), repeat=2):
+        choice = {"a": a, "b": b}
+        assert objective_at(relaxed, choice) <= objective_at(problem, choice) + 1e-12
+    assert objective_at(problem, {"a": 1, "b": 0}) == pytest.approx(0.1)
+    ilp_best = solve_ilp(replace(problem, cost={"a": [5.0, 0.0], "b": [0.0, 5.0]}))
+    relaxed_best = solve_ilp(
+        replace(relaxed, cost=relaxed.cost | {"a": [5.0, 0.0], "b": [0.0, 5.0]})
+    )
+    assert ilp_best.report.objective == pytest.approx(0.1, abs=1e-6)
+    assert relaxed_best.report.objective <= ilp_best.report.objective + 1e-6
 
 
 def test_a_link_launched_by_gathers_on_an_edge_waits_no_longer_in_the_relaxation():

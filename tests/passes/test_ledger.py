@@ -102,23 +102,7 @@ def test_the_solver_prices_parameter_gathers_as_the_runtime_groups_them(tmp_path
     assert plan.solver.objective == pytest.approx(plan.estimate.step_time_s, rel=0.02)
 
 
-def _fast_link_mesh(tmp_path, overlap: float) -> autopar.Mesh:
-    """4 devices that compute at CPU speed on a fast link (layers compute longer than
-    their gathers), compute hiding ``overlap`` of what runs beside it."""
-    from autopar_cost_model import load_preset, save_preset
-
-    preset = load_preset("cpu").model_copy(
-        update={
-            "name": f"overlap-{overlap:g}",
-            "comm_overlap": overlap,
-            "intra_node": load_preset("h100-sxm").intra_node,
-        }
-    )
-    path = save_preset(preset, tmp_path / f"overlap-{overlap:g}.yaml")
-    return autopar.Mesh((4,), ("dp",), device=str(path))
-
-
-def test_fsdp_gathers_hide_behind_the_part_before_them(tmp_path):
+def test_fsdp_gathers_hide_behind_the_part_before_them(fast_link_mesh):
     """FSDP2's prefetch (``runtime.param_groups``): each group's gather runs while the
     group before it computes, so on a fast link with layers that compute longer than
     their gathers the forward waits only for the embeddings' gather (behind nothing) and
@@ -129,7 +113,7 @@ def test_fsdp_gathers_hide_behind_the_part_before_them(tmp_path):
     model, (tokens,) = build("gpt-tiny", device="meta", batch_size=64)
     exposed = {}
     for overlap in (1.0, 0.0):
-        mesh = _fast_link_mesh(tmp_path, overlap)
+        mesh = fast_link_mesh(overlap)
         plan = autopar.plan(model, mesh, (tokens,), stages=1, force="fsdp")
         gathers = [
             e
@@ -155,7 +139,7 @@ def test_fsdp_gathers_hide_behind_the_part_before_them(tmp_path):
         assert entry.exposed_s == pytest.approx(entry.time_s)
 
 
-def test_the_solver_hides_prefetched_gathers_as_the_ledger_does(tmp_path):
+def test_the_solver_hides_prefetched_gathers_as_the_ledger_does(fast_link_mesh):
     """The ILP prices each FSDP gather's wait by the ledger's rule (``ilp.PrefetchLink``),
     the part before hiding it only when that part gathers too (the runtime launches a
     gather from the group before it): whatever share of it compute hides, the solver's
@@ -164,10 +148,27 @@ def test_the_solver_hides_prefetched_gathers_as_the_ledger_does(tmp_path):
     hidden: 11% under its ledger)."""
     model, (tokens,) = build("gpt-tiny", device="meta", batch_size=64)
     for overlap in (1.0, 0.5, 0.0):
-        mesh = _fast_link_mesh(tmp_path, overlap)
+        mesh = fast_link_mesh(overlap)
         for force in ("fsdp", None):
             plan = autopar.plan(model, mesh, (tokens,), stages=1, force=force)
             assert plan.solver.objective == pytest.approx(plan.estimate.step_time_s, rel=0.01)
+
+
+@pytest.mark.parametrize("overlap", [1.0, 0.5])
+def test_identical_layers_hide_their_gathers_behind_the_layer_before_as_the_ledger_does(
+    fast_link_mesh, overlap: float
+):
+    """Of ``L`` identical layers the ILP prices one link for the first and one, weighted
+    ``L - 1``, for the rest, each hidden behind an identical layer that gathers whenever
+    it does: the ledger's ``g + (L - 1) max(0, g - c)``. The second link was charged
+    whole, ``(L - 1) g``: gpt-tiny of 6 layers under FSDP 1.11 of its ledger's step
+    (1.05 at half the overlap), where 2 layers, one link each, agreed."""
+    model, (tokens,) = build("gpt-tiny", device="meta", batch_size=64, n_layer=6)
+    mesh = fast_link_mesh(overlap)
+    plan = autopar.plan(model, mesh, (tokens,), stages=1, force="fsdp")
+    waits = [e for e in plan.estimate.comm if e.what.startswith("FSDP gather") and e.exposed_s]
+    assert waits  # the forward's first gathers wait: the objective counts them
+    assert plan.solver.objective == pytest.approx(plan.estimate.step_time_s, rel=0.01)
 
 
 def test_a_zero_bucket_shrinking_axis_by_axis_pays_each_axis_call_as_the_runtime_does():
