@@ -35,7 +35,6 @@ from autopar_passes.ilp import (
     IlpProblem,
     cannot_beat,
     dominates,
-    objective_at,
     solve_ilp,
 )
 from autopar_passes.layer_sharing import traced_representatives
@@ -536,9 +535,10 @@ def _fastest_unlimited(
     fastest with memory to spare (``autopar_cost_model.optimizer``). The lowest stage is solved;
     another only where it could be faster: not ZeRO-2 beside ZeRO-1 (memory aside, the
     same sums or more of them), not a stage that saves time on no choice
-    (``ilp.cannot_beat``), and not one that the lowest stage's plan, costed in it, does not
-    already beat it with (a stage that wins only with other layouts is not looked for: a
-    solve less per plan); a stage that does is solved under the lowest's time."""
+    (``ilp.cannot_beat``); one that may is solved under the lowest's time. (Skipping a
+    stage whose solve the lowest stage's plan, costed in it, did not beat lost the best
+    plan where the stage wins with other layouts: gpt3-13b on 64 H100s, ZeRO-1 on 4
+    stages, 0.2% faster than the plan chosen without it.)"""
     lowest = build(levels[0], None)
     best = run(lowest)
     if best is None:
@@ -549,8 +549,6 @@ def _fastest_unlimited(
         other = build(zero, None)
         problem = other.parts.problem
         if cannot_beat(lowest.parts.problem, problem):
-            continue
-        if objective_at(problem, best.choice) >= (best.report.objective or 0.0):
             continue
         found = run(other, tie(best.report.objective or 0.0))
         if found is not None and (found.report.objective or 0.0) < (best.report.objective or 0.0):

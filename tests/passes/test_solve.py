@@ -46,12 +46,13 @@ def test_fsdp_gathers_each_kept_weight_again_for_the_backward():
     the forward (``runtime.param_groups``); the runtime keeps no gathered weight
     (``runtime.regather``), so a layer whose weight backward needs is gathered again, as a
     group. The second layer's is (its input needs a gradient); the first layer's is not
-    (its input is the model's, which needs none, so its backward keeps no weight)."""
+    (its input is the model's, which needs none, so its backward keeps no weight). Which
+    dim a weight is sharded along is a tie (the same bytes gathered)."""
     model, inputs = big_mlp()
     mesh = autopar.Mesh((4,), ("dp",), device="h100-sxm")
     plan = autopar.plan(model, mesh, inputs, force="fsdp")
     first, second = plan.params["layers.0.weight"], plan.params["layers.1.weight"]
-    assert first.param == second.param == autopar.Layout(Shard(0))
+    assert {first.param, second.param} <= {autopar.Layout(Shard(0)), autopar.Layout(Shard(1))}
 
     def gather(shape: tuple[int, ...]) -> float:  # fp32 bytes a device sends on a ring of 4
         return 4 * _numel(shape) * 3 / 4
@@ -163,6 +164,8 @@ def test_a_solver_time_out_returns_the_best_plan_with_its_gap_and_a_warning(monk
 
     def stopped_early(problem, time_limit, backend="highs", cutoff=None, work_cutoff=None):
         solution = solve_ilp(problem, time_limit, backend, cutoff, work_cutoff)
+        if not solution.feasible:  # a proof under a cutoff: no plan to stop early with
+            return solution
         report = solution.report.model_copy(
             update={"status": "feasible (time limit; best found)", "gap": 0.07}
         )
@@ -186,6 +189,8 @@ def test_a_solve_stopped_by_its_work_limit_says_so_and_that_the_clock_did_not_de
 
     def stopped_early(problem, time_limit, backend="highs", cutoff=None, work_cutoff=None):
         solution = solve_ilp(problem, time_limit, backend, cutoff, work_cutoff)
+        if not solution.feasible:  # a proof under a cutoff: no plan to stop early with
+            return solution
         status = "feasible (work limit of 200 solver checkpoints; best found)"
         report = solution.report.model_copy(update={"status": status, "gap": 0.03})
         return type(solution)(solution.choice, report, True)

@@ -18,7 +18,13 @@ from autopar.force import style_constraints
 from autopar_examples.models import build
 from autopar_passes.ilp import GIB, IlpProblem, cannot_beat, dominates, solve_ilp
 from autopar_passes.problem import ProblemParts
-from autopar_passes.solve import Built, SolveRequest, _solve_levels, solve_sharding
+from autopar_passes.solve import (
+    Built,
+    SolveRequest,
+    _fastest_unlimited,
+    _solve_levels,
+    solve_sharding,
+)
 from autopar_passes.trace import trace
 from autopar_plans import InfeasiblePlanError
 
@@ -203,6 +209,33 @@ def test_most_sharded_first_then_under_its_cutoff_and_the_dominated_stage_only_f
     assert calls[1][1] == calls[2][1] == pytest.approx(1.6, rel=1e-6)
     assert calls[1][1] >= 1.6  # a tie is not cut off
     assert found is not None and found.zero == 1 and found.choice == {"a": 0}
+
+
+def test_a_stage_that_wins_only_with_other_layouts_is_still_solved():
+    """Memory aside, ZeRO-1 is looked for wherever it could be faster, not only where the
+    lowest stage's plan, costed in it, is: here ZeRO-0's best (replicate, 1.0 s) costs
+    ZeRO-1 the same, and ZeRO-1 wins (0.8 s) by sharding, which ZeRO-0 prices at 1.2 s.
+    Skipping it lost gpt3-13b on 64 H100s its best plan."""
+    problems = {
+        0: replace(
+            stage(memory=[1.0, 1.0], overlappable=[0.0, 0.0], cost=(1.0, 1.2)), memory_limit=None
+        ),
+        1: replace(
+            stage(memory=[1.0, 1.0], overlappable=[0.0, 0.0], cost=(1.0, 0.8)), memory_limit=None
+        ),
+    }
+
+    def build(zero: int, limit: float | None) -> Built:
+        return Built(zero, None, ProblemParts(problems[zero]), [])  # type: ignore[arg-type]
+
+    def run(level: Built, cutoff: float | None = None):
+        solution = solve_ilp(level.parts.problem, cutoff=cutoff)
+        return _Solved(level.zero, solution.choice, solution.report) if solution.feasible else None
+
+    found = _fastest_unlimited((0, 1), build, run)
+    assert found is not None
+    assert (found.zero, found.choice) == (1, {"a": 1})
+    assert found.report.objective == pytest.approx(0.8, abs=GAP)
 
 
 # End to end. The cpu preset's slow links and FLOPs make a step take tens of milliseconds
