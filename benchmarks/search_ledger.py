@@ -18,23 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import autopar
-from autopar_cost_model import load_preset, save_preset
+from autopar.testing.meshes import fast_link_mesh
 from autopar_examples.models import build
 from autopar_passes.pipeline import search
 
 CONFIGS = ((1, 2, None, 8), (2, 4, "1f1b", 8), (2, 4, "gpipe", 8), (3, 4, "1f1b", 12))
-
-
-def _mesh(folder: Path, overlap: float, devices: int) -> autopar.Mesh:
-    preset = load_preset("cpu").model_copy(
-        update={
-            "name": f"overlap-{overlap:g}",
-            "comm_overlap": overlap,
-            "intra_node": load_preset("h100-sxm").intra_node,
-        }
-    )
-    path = save_preset(preset, folder / f"overlap-{overlap:g}.yaml")
-    return autopar.Mesh((devices,), ("dp",), device=str(path))
 
 
 def main() -> None:
@@ -53,7 +41,7 @@ def main() -> None:
                 options: dict[str, Any] = {"stages": stages, "microbatches": microbatches}
                 if schedule:
                     options["schedule"] = schedule
-                mesh = _mesh(Path(folder), overlap, devices)
+                mesh = fast_link_mesh(Path(folder), overlap, devices)
                 plan = autopar.plan(model, mesh, (tokens,), force="fsdp", **options)
                 ledger = plan.estimate.step_time_s
                 print(

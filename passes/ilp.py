@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -212,26 +213,23 @@ class PrefetchLink:
 
     def seconds(self, problem: IlpProblem, choice: dict[str, int]) -> float:
         """``G`` under ``choice``."""
-        total = sum(row[choice[d]] for d, row in self.choices.items())
         calls = problem.group_calls
-        total += sum(s for g, s in self.calls.items() if calls[g].runs(problem, choice))
-        for e, members in self.edges.items():
-            edge = problem.edges[e]
-            pair = (edge.left_class[choice[edge.left]], edge.right_class[choice[edge.right]])
-            total += members.get(pair, 0.0)
-        return total
+        runs = sum(s for g, s in self.calls.items() if calls[g].runs(problem, choice))
+        return sum(self._members(problem, choice)) + runs
 
     def gathers(self, problem: IlpProblem, choice: dict[str, int]) -> bool:
         """Whether a member gathers under ``choice`` (the indicators ``y`` is bounded by;
         a group call's fixed cost is none: its members are)."""
-        if any(row[choice[d]] for d, row in self.choices.items()):
-            return True
+        return any(self._members(problem, choice))
+
+    def _members(self, problem: IlpProblem, choice: dict[str, int]) -> Iterator[float]:
+        """The seconds of each member (choice row, edge pair) under ``choice``."""
+        for d, row in self.choices.items():
+            yield row[choice[d]]
         for e, members in self.edges.items():
             edge = problem.edges[e]
             pair = (edge.left_class[choice[edge.left]], edge.right_class[choice[edge.right]])
-            if members.get(pair, 0.0):
-                return True
-        return False
+            yield members.get(pair, 0.0)
 
 
 @dataclass
