@@ -25,6 +25,7 @@ between data-parallel ranks, and the bubble's partial hiding of the gradient syn
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict
@@ -150,6 +151,25 @@ def prefetch_waits(
             gather_end = max(gather_end, start) + gather_s[i + 1]
         compute_end = start + compute
     return waits
+
+
+def backward_segments(ops: Sequence[tuple[int, float]], reached: Sequence[int]) -> list[float]:
+    """The backward compute between the points where backward reaches each group of a
+    prefetch chain: ``ops`` are (graph position, backward seconds) of the ops, ``reached``
+    the positions of the ops where backward reaches each group, descending (backward runs
+    the graph in reverse). Segment ``k`` is the backward of the ops in
+    (``reached[k + 1]``, ``reached[k]``]: what runs while the group after ``k`` is fetched.
+
+    >>> backward_segments([(0, 1.0), (1, 2.0), (2, 4.0), (3, 8.0)], [2, 0])
+    [6.0, 1.0]
+    """
+    segments = [0.0] * len(reached)
+    ascending = [-r for r in reached]
+    for position, seconds in ops:
+        k = bisect.bisect_right(ascending, -position) - 1  # the last group reached at or after
+        if k >= 0:
+            segments[k] += seconds
+    return segments
 
 
 def step_time(

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -40,7 +41,7 @@ import torch
 from autopar_cost_model.collectives import MeshCost
 from autopar_cost_model.compute import op_time
 from autopar_cost_model.reduction import step_bytes
-from autopar_cost_model.step import exposed_gradient_sync, prefetch_waits
+from autopar_cost_model.step import backward_segments, exposed_gradient_sync, prefetch_waits
 from autopar_passes.annotation import META_KEY
 from autopar_passes.costs import CostModel, bucket_copy_bytes, trailing_all_reduces, zero_copy_bytes
 from autopar_passes.from_plan import PlanLayouts
@@ -116,25 +117,55 @@ class Reshard:
         return self.gathers_parameter and self.saved and not self.in_region
 
 
+@dataclass(frozen=True)
+class OpCompute:
+    """Each op's compute per microbatch, as the cost model prices it under the plan: behind
+    it the FSDP groups' prefetched gathers hide. ``ops``: node name -> (its part, forward,
+    backward), in graph order; the parts go by the FSDP groups' names (``_fsdp_groups``):
+    ``layer 3``, or ``after 2 layers`` for what runs outside the layers after the first
+    two."""
+
+    ops: dict[str, tuple[str, float, float]]
+
+    def forward(self, place: str) -> float:
+        """The forward compute of one part."""
+        return self._forward.get(place, 0.0)
+
+    @cached_property
+    def _forward(self) -> dict[str, float]:
+        found: dict[str, float] = {}
+        for place, fwd, _ in self.ops.values():
+            found[place] = found.get(place, 0.0) + fwd
+        return found
+
+    def backward(self, within: Collection[str] | None) -> list[tuple[int, float]]:
+        """(graph position, backward seconds) of each op (``within``: of these only)."""
+        return [
+            (i, bwd)
+            for i, (name, (_, _, bwd)) in enumerate(self.ops.items())
+            if within is None or name in within
+        ]
+
+
 class Ledger:
     """Entries as they are added: each call priced on its own axis, as the runtime runs it;
     ``stage``: the pipeline stage whose devices issue them (0 without a pipeline);
-    ``compute``: each part's (forward, backward) compute per microbatch, behind which the
-    FSDP groups' prefetched gathers hide (``place_compute``)."""
+    ``compute``: each op's compute, behind which the FSDP groups' prefetched gathers hide
+    (``op_compute``)."""
 
     def __init__(
         self,
         mesh: MeshSpec,
         microbatches: int,
         stage: int = 0,
-        compute: Mapping[str, tuple[float, float]] | None = None,
+        compute: OpCompute | None = None,
         reduction: GradReduction | None = None,
     ) -> None:
         self.cost = MeshCost(mesh)
         self.reduction = reduction or PER_AXIS
         self.microbatches = microbatches
         self.stage = stage
-        self.compute = compute or {}
+        self.compute = compute or OpCompute({})
         self.entries: list[CommEntry] = []
 
     def add(
@@ -240,7 +271,7 @@ def step_ledger(traced: TracedModel, plan: Plan, *, batch_scale: float = 1.0) ->
     ledger = Ledger(
         mesh,
         plan.parallelism.microbatches,
-        compute=place_compute(walk),
+        compute=op_compute(walk),
         reduction=plan.grad_reduction,
     )
     reshard_entries(ledger, traced, plan, reshards, walk.cast)
@@ -256,50 +287,74 @@ def reshard_entries(
     plan: Plan,
     reshards: list[Reshard],
     cast: frozenset[str],
+    ops: Collection[str] | None = None,
 ) -> None:
     """The entries of one program's ``reshards`` (in its order), every microbatch: FSDP's
-    groups of parameter gathers, the others one by one."""
+    groups of parameter gathers, the others one by one. ``ops``: the traced ops the
+    programs run (a pipeline stage's; None: all)."""
     compute = WIRE_DTYPE.get(plan.precision)
     groups, singles = _fsdp_groups(traced, plan, reshards, cast)
-    gathers, regathers = [], []  # (entry index, part) of the groups' gathers, in order
+    gathers: list[tuple[int, float]] = []  # (entry index, compute behind it) in order
+    regathers: list[tuple[int, list[Reshard]]] = []  # (entry index, the group's members)
     for (axis, _, place), members in groups.items():
         # gathered in the compute dtype when its parameters are (autopar_passes.mixed_precision)
         dtype = compute if compute and members[0].param in cast else members[0].dtype
         nbytes = sum(r.calls[0].elements for r in members) * itemsize(dtype)
         what = f"{place}, {len(members)} params"
-        gathers.append((len(ledger.entries), place))
+        gathers.append((len(ledger.entries), ledger.compute.forward(place)))
         ledger.add("all_gather", axis, dtype, nbytes, "forward", f"FSDP gather: {what}")
         if any(r.requires_grad for r in members):
             ledger.add("reduce_scatter", axis, dtype, nbytes, "backward", f"FSDP gather: {what}")
         if any(r.regathered for r in members):  # fetched from the group again, once
-            regathers.append((len(ledger.entries), place))
+            regathers.append((len(ledger.entries), members))
             ledger.add("all_gather", axis, dtype, nbytes, "backward", f"FSDP regather: {what}")
         for reshard in members:  # the steps after the group's gather, on its output
             if len(reshard.calls) > 1:
                 ledger.reshard(reshard, reshard.calls[1:], dtype, f"reshard of {reshard.param}")
-    hide_prefetched(ledger, gathers, forward=True)
-    hide_prefetched(ledger, list(reversed(regathers)), forward=False)
+    hide_prefetched(ledger, gathers)
+    hide_prefetched(ledger, _backward_chain(ledger.compute, regathers, ops))
     for reshard in singles:
         ledger.reshard(
             reshard, reshard.calls, reshard.dtype, f"reshard of {reshard.param or reshard.producer}"
         )
 
 
-def hide_prefetched(ledger: Ledger, chain: list[tuple[int, str]], forward: bool) -> None:
-    """The FSDP groups' gathers of ``chain`` (entry index, part; in the order the runtime
-    makes them) as prefetched (``runtime.param_groups``): each launched while the group
-    before it in the chain computes, the first behind nothing
-    (``autopar_cost_model.step.prefetch_waits``, with compute hiding the preset's share of what
-    runs beside it); ``forward``: the forward's gathers, behind each part's forward, else
-    the backward's regathers (last layer first), behind each part's backward. Each
-    entry shows what its part waits for it (``prefetch_waits``)."""
+def _backward_chain(
+    compute: OpCompute, regathers: list[tuple[int, list[Reshard]]], ops: Collection[str] | None
+) -> list[tuple[int, float]]:
+    """The groups' regathers (entry index, the backward compute behind which the next one
+    hides) in the order backward makes them (``runtime.regather.BackwardOrder``): the
+    reverse of where each group's weights are last kept in forward, so a tied embedding
+    that the head keeps comes first. The next group's regather is launched when backward
+    reaches a group and waited for where it reaches the next: it hides behind the backward
+    of the ops in between."""
+    position = {name: i for i, name in enumerate(compute.ops)}
+
+    def last_kept(members: list[Reshard]) -> int:
+        savers = {s for r in members if r.regathered for s in r.savers}
+        return max(
+            (position[s] for s in savers if s in position and (ops is None or s in ops)),
+            default=-1,
+        )
+
+    chain = sorted(((last_kept(m), i) for i, m in regathers), reverse=True)
+    segments = backward_segments(compute.backward(ops), [last for last, _ in chain])
+    return [(i, seconds) for (_, i), seconds in zip(chain, segments, strict=True)]
+
+
+def hide_prefetched(ledger: Ledger, chain: list[tuple[int, float]]) -> None:
+    """The FSDP groups' gathers of ``chain`` (entry index, the compute that runs from the
+    group's use until the next group's; in the order the runtime makes them) as
+    prefetched (``runtime.param_groups``): each launched where the group before it in the
+    chain is used, the first behind nothing (``autopar_cost_model.step.prefetch_waits``,
+    with compute hiding the preset's share of what runs beside it). Each entry shows what
+    its part waits for it (``prefetch_waits``)."""
     if not chain:
         return
     entries = ledger.entries
     calls = max(entries[chain[0][0]].calls_per_step, 1)
     gather_s = [entries[i].time_s / calls for i, _ in chain]
-    side = 0 if forward else 1
-    compute_s = [ledger.compute.get(place, (0.0, 0.0))[side] for _, place in chain]
+    compute_s = [seconds for _, seconds in chain]
     overlap = ledger.cost.preset.comm_overlap
     for (i, _), wait in zip(chain, prefetch_waits(gather_s, compute_s, overlap), strict=True):
         entry = entries[i]
@@ -308,12 +363,10 @@ def hide_prefetched(ledger: Ledger, chain: list[tuple[int, str]], forward: bool)
         )
 
 
-def place_compute(walk: Walk) -> dict[str, tuple[float, float]]:
-    """Each part's (forward, backward) compute per microbatch, in the names the FSDP groups
-    go by (``_fsdp_groups``): ``layer 3``, or ``after 2 layers`` for what runs outside the
-    layers after the first two; as the cost model prices each op under the plan."""
+def op_compute(walk: Walk) -> OpCompute:
+    """Each op's compute under the plan (``OpCompute``), per microbatch of the walk's."""
     cost = CostModel(walk.cost, precision=walk.plan.precision)
-    found: dict[str, tuple[float, float]] = {}
+    found: dict[str, tuple[str, float, float]] = {}
     seen: set[int] = set()
     for node in walk.traced.graph.nodes:
         note = node.meta[META_KEY]
@@ -325,9 +378,8 @@ def place_compute(walk: Walk) -> dict[str, tuple[float, float]]:
         else:
             place = f"after {len(seen)} layers"
         fwd, bwd = cost.op_time(note, walk.layouts.strategies[node.name])
-        old = found.get(place, (0.0, 0.0))
-        found[place] = (old[0] + fwd * walk.scale, old[1] + bwd * walk.scale)
-    return found
+        found[node.name] = (place, fwd * walk.scale, bwd * walk.scale)
+    return OpCompute(found)
 
 
 class Walk:

@@ -31,6 +31,7 @@ from autopar_cost_model.offload import (
     activation_offload_time,
     parameter_offload_time,
 )
+from autopar_cost_model.step import backward_segments
 from autopar_passes.annotation import TensorInfo
 from autopar_passes.costs import CallKey, CostModel
 from autopar_passes.decisions import Decisions
@@ -68,6 +69,9 @@ class Prefetched:
     edges: dict[int, dict[tuple[int, int], float]] = field(default_factory=dict)
     choices: dict[str, list[float]] = field(default_factory=dict)
     calls: dict[CallKey, float] = field(default_factory=dict)  # fixed cost
+    # the last op (graph position) that keeps the place's gathered weights: where backward
+    # reaches its regather (``runtime.regather.BackwardOrder``); -1: none kept
+    kept_until: int = -1
 
 
 @dataclass
@@ -118,6 +122,8 @@ class ProblemParts:
     prefetchable: dict[int, Matrix] = field(default_factory=dict)
     self_prefetchable: dict[str, list[float]] = field(default_factory=dict)
     least_compute: dict[str, list[float]] = field(default_factory=dict)
+    # each op's backward at its least, (graph position, seconds), one copy of a layer
+    least_backward: list[tuple[int, float]] = field(default_factory=list)
     copies: dict[str, int] = field(default_factory=dict)
 
     def edge_memory(self, choice: dict[str, int]) -> float:
@@ -267,6 +273,7 @@ def _node_costs(
     # what hides each offloaded parameter's fetches: its readers' compute at its least
     hiding = least_reader_compute(decisions, cost) if cost.offload.parameters else {}
     layers_seen = False
+    position = {name: i for i, name in enumerate(decisions.choices)}
     for node_name, binding in decisions.bindings.items():
         found = decisions.choices[node_name].note
         layer = None if found is None else found.layer
@@ -321,6 +328,7 @@ def _node_costs(
             held = parts.least_compute.setdefault(place, [0.0, 0.0])
             held[0] += min(f for f, _ in least)
             held[1] += min(b for _, b in least)
+            parts.least_backward.append((position[node_name], min(b for _, b in least)))
 
 
 def _edge_costs(
@@ -348,6 +356,7 @@ def _edge_costs(
             example.setdefault(key, (source.producer, source.index, node_name, i))
     keeper = _first_keepers(decisions, example)
     sole = sole_keepers(decisions)
+    position = {name: i for i, name in enumerate(decisions.choices)}
     for key, times in counted.items():
         producer, index, consumer, i = example[key]
         left = decisions.bindings[producer].decision
@@ -393,8 +402,10 @@ def _edge_costs(
                         joined.cost = max(joined.cost, times * seconds)
                         joins.setdefault(call_key, set()).add((p, q))
                         fixed = call.gather if side == 0 else call.regather  # what prefetch hides
-                        held = parts.prefetch.setdefault((call.group, side), Prefetched()).calls
-                        held[call_key] = max(held.get(call_key, 0.0), fixed)
+                        found = parts.prefetch.setdefault((call.group, side), Prefetched())
+                        found.calls[call_key] = max(found.calls.get(call_key, 0.0), fixed)
+                        if side == 1 and regathered:
+                            found.kept_until = max(found.kept_until, position[consumer])
                     parts.copies[call.group] = max(parts.copies.get(call.group, 1), times)
                 if place is not None:
                     gather, regather = cost.prefetched(
@@ -414,6 +425,9 @@ def _edge_costs(
                     cast_m[(p, q)] = (
                         times * copies * cost.weight_cast_bytes(info, src, dst, producer)
                     )
+        if place is not None and regathered and any(r for _, r in hide_m.values()):
+            found = parts.prefetch.setdefault((place, 1), Prefetched())
+            found.kept_until = max(found.kept_until, position[consumer])
         edge_index = None if left == right else len(parts.edge_terms)
         if memory_m:
             parts.kept_copies[key] = PairTerm(
@@ -589,23 +603,37 @@ def _fastest(decisions: Decisions, cost: CostModel, node: str) -> tuple[float, f
 
 
 def _prefetch_links(parts: ProblemParts, microbatches: int) -> list[PrefetchLink]:
-    """The runtime's prefetch chains as ``PrefetchLink``s: the forward's gathers in order
-    (what runs before the layers, each layer, what runs after), each behind the place
-    before it in the chain, the first behind nothing; the backward's regathers in
-    reverse; each pass once a microbatch. A place that stands for ``n`` identical layers
-    is ``n`` links: the first behind the place before, the others behind the layer. A
-    place without gathers is no link, and one that could gather hides the next only
-    where it does (``runtime.param_groups`` chains groups, not parts)."""
+    """The runtime's prefetch chains as ``PrefetchLink``s, each pass once a microbatch:
+    the forward's gathers in order (what runs before the layers, each layer, what runs
+    after), each behind the place before it in the chain, the first behind nothing; the
+    backward's regathers in the order backward reaches them (``runtime.regather.
+    BackwardOrder``: by the last op that keeps each place's weights, latest first, so a tied
+    embedding the head keeps comes first), each behind the backward of the ops between
+    (``backward_segments``). A place that stands for ``n`` identical layers is ``n`` links:
+    the first behind the place before, the others behind the layer. A place without
+    gathers is no link, and one that could gather hides the next only where it does
+    (``runtime.param_groups`` chains groups, not parts)."""
     places = {place for place, _ in parts.prefetch}
     layers = sorted((p for p in places if p.startswith("layer")), key=lambda p: int(p[5:]))
     forward = [p for p in ("before", *layers, "after") if p in places]
     calls = {key: i for i, key in enumerate(parts.group_calls)}
+
+    def gathers(place: str, side: int) -> Prefetched | None:
+        found = parts.prefetch.get((place, side))
+        if found is None or not (found.edges or found.choices or any(found.calls.values())):
+            return None
+        return found
+
+    backward = [p for p in forward[::-1] if gathers(p, 1) is not None]
+    backward.sort(key=lambda p: parts.prefetch[(p, 1)].kept_until, reverse=True)
+    reached = [parts.prefetch[(p, 1)].kept_until for p in backward]
+    segments = dict(zip(backward, backward_segments(parts.least_backward, reached), strict=True))
     links = []
-    for side, order in ((0, forward), (1, forward[::-1])):
+    for side, order in ((0, forward), (1, backward)):
         before: tuple[float, int] | None = None  # the chain's last place: compute, link
         for place in order:
-            found = parts.prefetch.get((place, side))
-            if found is None or not (found.edges or found.choices or any(found.calls.values())):
+            found = gathers(place, side)
+            if found is None:
                 continue
             compute = parts.least_compute.get(place, [0.0, 0.0])[side]
             members = {
@@ -620,7 +648,7 @@ def _prefetch_links(parts: ProblemParts, microbatches: int) -> list[PrefetchLink
             if copies > 1:
                 weight = microbatches * (copies - 1)
                 links.append(PrefetchLink(weight, compute, **members))
-            before = (compute, first)
+            before = (compute if side == 0 else segments[place], first)
     return links
 
 

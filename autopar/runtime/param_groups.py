@@ -20,10 +20,11 @@ all its saved weights (``GroupRegather``), which are dropped after the last of t
 **Prefetch**, as FSDP2 does: when a group is gathered in forward, the next group of the
 program is launched without waiting (``GatherParams.following``), so its all-gather runs
 while this group's layer computes; in backward, when a group is gathered again, the group
-backward reaches next (the previous one of the forward that has saved weights) is
-launched the same way. Only the first gather of a forward and the first regather of a
-backward wait for nothing to hide them. The plan's ledger prices them by the same rule
-(``autopar_passes.ledger.hide_prefetched``).
+backward reaches next is launched the same way: the order is FSDP2's, the reverse of the
+order the groups' weights were last saved in forward (``regather.BackwardOrder``), so a
+tied embedding that the head keeps comes first. Only the first gather of a forward and the
+first regather of a backward wait for nothing to hide them. The plan's ledger prices them
+by the same rule (``autopar_passes.ledger.hide_prefetched``).
 
 Values are those of the single gathers: the same pieces concatenated along the same dims,
 the same gradient sums.
@@ -56,6 +57,7 @@ from autopar.runtime.collectives import (
     unflatten,
 )
 from autopar.runtime.faults import Waitable
+from autopar.runtime.regather import BackwardOrder
 from autopar_plans.errors import UsageError
 
 Shape = tuple[int, ...]
@@ -216,7 +218,7 @@ class GroupRegather:
         shards: Sequence[torch.Tensor],
         dims: Sequence[int],
         group: Group,
-        previous: GroupRegather | None = None,
+        order: BackwardOrder | None = None,
         sources: Sequence[Any] | None = None,
     ):
         """``sources``: where to have the shards again (``regather.Source``s) instead of
@@ -230,8 +232,7 @@ class GroupRegather:
         self._pending = 0
         self._wholes: list[torch.Tensor] | None = None
         self._inflight: InFlight | None = None
-        # the group gathered before this one in the forward: backward reaches it next
-        self.previous = previous
+        self._order = order  # the order backward reaches the forward's groups
         self.prefetched: bool | None = None  # whether backward found its gather launched
 
     def member(self, index: int) -> _Member:
@@ -242,6 +243,13 @@ class GroupRegather:
             for source in self._sources:  # this group will fetch its shards once
                 source.claim()
         self._pending += 1
+        if self._order is not None:
+            self._order.packed(self)
+
+    @property
+    def pending(self) -> bool:
+        """Backward will still fetch this group."""
+        return self._pending > 0
 
     def _current_shards(self) -> tuple[torch.Tensor, ...]:
         if self._sources is None:
@@ -273,13 +281,10 @@ class GroupRegather:
         return wholes[index]
 
     def _prefetch_next(self) -> None:
-        """Launch the gather of the group backward fetches next: the previous one of the
-        forward with saved weights (FSDP2's backward prefetch)."""
-        group = self.previous
-        while group is not None and group._pending == 0:
-            group = group.previous
-        if group is not None:
-            group.prefetch()
+        """Launch the gather of the group backward fetches next (FSDP2's backward
+        prefetch, in its post-forward order: ``regather.BackwardOrder``)."""
+        if self._order is not None:
+            self._order.prefetch_after(self)
 
 
 class _Member:
@@ -353,10 +358,9 @@ class GatherParams(Collective):
                 shards,
                 self.dims,
                 self.group,
-                self.gathers.last_group,
+                self.gathers.regathers,
                 sources=self.gathers.sources_of(shards),
             )
-            self.gathers.last_group = regather
             self.gathers.record_sources(wholes, [regather.member(i) for i in range(len(shards))])
         for following in self.following:
             following.prefetch()

@@ -44,6 +44,7 @@ from torch import fx, nn
 
 from autopar.runtime.offload import HostLog, Transfer, device_copy
 from autopar.runtime.param_groups import GatherParams
+from autopar.runtime.regather import BackwardOrder
 from autopar_passes.lower_recompute import Recompute, free_name
 
 PURPOSE = "parameters"
@@ -144,8 +145,7 @@ class FetchParams(nn.Module):
         values = _Fetch.apply(copies, *leaves)
         gathers = self.gathers
         if gathers is not None:
-            refetch = Refetch(self._pieces, self._uplink, gathers.last_fetch)
-            gathers.last_fetch = refetch
+            refetch = Refetch(self._pieces, self._uplink, gathers.refetches)
             gathers.record_sources(values, [refetch.member(i) for i in range(len(values))])
         for following in self.following:
             following.prefetch()
@@ -161,15 +161,14 @@ class Refetch:
     every member claimed, the last drops them."""
 
     def __init__(
-        self, pieces: Sequence[HostPiece], uplink: Uplink, previous: Refetch | None
+        self, pieces: Sequence[HostPiece], uplink: Uplink, order: BackwardOrder
     ) -> None:
         self._pieces = tuple(pieces)
         self._uplink = uplink
         self._claims = [0] * len(pieces)
         self._values: dict[int, torch.Tensor] | None = None
         self._inflight: dict[int, Transfer] | None = None
-        # the group fetched before this one in the forward: backward reaches it next
-        self.previous = previous
+        self._order = order  # the order backward reaches the forward's groups
 
     def member(self, index: int) -> _Member:
         return _Member(self, index)
@@ -180,6 +179,7 @@ class Refetch:
 
     def claim(self, index: int) -> None:
         self._claims[index] += 1
+        self._order.packed(self)
 
     def _copy_up(self, ahead: bool) -> dict[int, Transfer]:
         wanted = [i for i, n in enumerate(self._claims) if n > 0]
@@ -204,13 +204,8 @@ class Refetch:
         return value
 
     def _prefetch_next(self) -> None:
-        """Launch the copies of the group backward fetches next: the previous one of the
-        forward with saved members."""
-        group = self.previous
-        while group is not None and not group.pending:
-            group = group.previous
-        if group is not None:
-            group.prefetch()
+        """Launch the copies of the group backward fetches next (``BackwardOrder``)."""
+        self._order.prefetch_after(self)
 
 
 class _Member:

@@ -19,7 +19,7 @@ gathered weight's memory may hold another tensor by the time something else is s
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -80,6 +80,42 @@ class _Packed:
     offset: int
 
 
+class BackwardOrder:
+    """The order in which backward reaches one forward's groups of parameters (FSDP
+    groups, ``param_groups.GroupRegather``; offloaded ones, ``param_offload.Refetch``): the
+    reverse of the order their weights were last packed for backward, FSDP2's post-forward
+    order. Backward's first unpack of a group launches the next group of this order (its
+    prefetch). A tied embedding that the head reads too is packed last, at the head, so it
+    comes first in backward, where the head's backward needs it, not last, where the
+    embedding's forward gathered it."""
+
+    def __init__(self) -> None:
+        self._packed: dict[Any, None] = {}  # insertion-ordered: the last packed last
+
+    def packed(self, group: Any) -> None:
+        """One of ``group``'s weights was packed for backward."""
+        self._packed.pop(group, None)
+        self._packed[group] = None
+
+    def after(self, group: Any) -> Iterator[Any]:
+        """The groups backward reaches after ``group``, the nearest first."""
+        order = list(self._packed)
+        if group in self._packed:
+            yield from reversed(order[: order.index(group)])
+
+    def prefetch_after(self, group: Any) -> None:
+        """Launch the fetch of the group backward reaches next after ``group`` among those it
+        will still fetch (each has ``pending`` and ``prefetch()``)."""
+        for candidate in self.after(group):
+            if candidate.pending:
+                candidate.prefetch()
+                return
+
+    def backward(self) -> list[Any]:
+        """The groups in the order backward reaches them."""
+        return list(reversed(self._packed))
+
+
 class ParamGathers:
     """What the all-gathers of one forward made from parameters, and the hooks that drop
     those tensors from autograd's saved state."""
@@ -87,16 +123,15 @@ class ParamGathers:
     def __init__(self, is_param: Callable[[torch.Tensor], bool]) -> None:
         self._is_param = is_param
         self._made: dict[int, tuple[weakref.ref[torch.Tensor], _Recipe]] = {}
-        # the last group of parameters gathered in this forward (``param_groups``): the
-        # next one links to it, so that backward can prefetch the group it reaches next;
-        # likewise the last group of offloaded parameters fetched (``param_offload``)
-        self.last_group: Any = None
-        self.last_fetch: Any = None
+        # the order backward reaches this forward's groups of parameters
+        # (``param_groups``) and of offloaded ones (``param_offload``): for its prefetch
+        self.regathers = BackwardOrder()
+        self.refetches = BackwardOrder()
 
     def clear(self) -> None:
         self._made.clear()
-        self.last_group = None
-        self.last_fetch = None
+        self.regathers = BackwardOrder()
+        self.refetches = BackwardOrder()
 
     def record(
         self, output: torch.Tensor, source: torch.Tensor, dim: int, group: AxisGroup

@@ -109,7 +109,7 @@ class Part:
     def ops_at(self, scale: float) -> tuple[float, float]:
         """(forward, backward) seconds of the part's ops alone at ``scale``, without what
         recomputation and offload add: the compute the ledger hides a prefetched gather
-        behind (``autopar_passes.ledger.place_compute``)."""
+        behind (``autopar_passes.ledger.op_compute``)."""
         forward, backward, _ = self.at(scale)
         extra = (self.recompute_s + self.offload_s) * scale + self.fetch_s
         return forward, backward - extra

@@ -44,8 +44,8 @@ from autopar_passes.ledger import (
     gradient_sync_entries,
     hide_overlapped,
     itemsize,
+    op_compute,
     param_order,
-    place_compute,
     reshard_entries,
     stored_dtype,
     zero_entries,
@@ -84,7 +84,7 @@ class _PipelineLedger:
         self.whole_cost = MeshCost(plan.mesh)
         self.walk = Walk(traced, plan, self.mesh, scale)
         self.walk.run()
-        self.compute = place_compute(self.walk)
+        self.compute = op_compute(self.walk)
         layouts = self.walk.layouts
         self.lowered = lower_spmd(
             traced,
@@ -111,7 +111,8 @@ class _PipelineLedger:
             )
             mine = [p for p in self.programs if p.index % self.pp == stage]
             reshards = [r for program in mine for r in self._reshards(program)]
-            reshard_entries(ledger, self.traced, self.plan, reshards, self.walk.cast)
+            ops = {self.sources.get(n.name, n.name) for p in mine for n in p.graph.nodes}
+            reshard_entries(ledger, self.traced, self.plan, reshards, self.walk.cast, ops)
             for program in mine:
                 self._handoffs(ledger, program)
             part_of = {

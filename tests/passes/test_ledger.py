@@ -106,10 +106,13 @@ def test_fsdp_gathers_hide_behind_the_part_before_them(fast_link_mesh):
     """FSDP2's prefetch (``runtime.param_groups``): each group's gather runs while the
     group before it computes, so on a fast link with layers that compute longer than
     their gathers the forward waits only for the embeddings' gather (behind nothing) and
-    most of layer 0's (behind the embedding lookup, which computes next to nothing), and
-    the backward only for the first regather (the head's); where compute hides none of
-    what runs beside it (``comm_overlap`` 0: gloo ranks filling a CPU's cores) every
-    gather shows whole."""
+    most of layer 0's (behind the embedding lookup, which computes next to nothing). The
+    backward reaches the groups in the reverse of the order their weights were last kept
+    (``runtime.regather.BackwardOrder``): first the embeddings' (the head keeps the tied
+    weight), behind nothing; then the final norm's, behind the head's backward; then the
+    last layer's, behind the norm's backward, which computes next to nothing; then layer
+    0's, behind layer 1's. Where compute hides none of what runs beside it
+    (``comm_overlap`` 0: gloo ranks filling a CPU's cores) every gather shows whole."""
     model, (tokens,) = build("gpt-tiny", device="meta", batch_size=64)
     exposed = {}
     for overlap in (1.0, 0.0):
@@ -133,8 +136,11 @@ def test_fsdp_gathers_hide_behind_the_part_before_them(fast_link_mesh):
     assert gathers[0].exposed_s == pytest.approx(gathers[0].time_s)
     assert 0 < gathers[1].exposed_s < gathers[1].time_s
     assert gathers[2].exposed_s == gathers[3].exposed_s == 0
-    assert regathers[-1].exposed_s == pytest.approx(regathers[-1].time_s)
-    assert regathers[0].exposed_s == regathers[1].exposed_s == 0
+    embeddings, layer0, layer1, final_norm = regathers
+    assert embeddings.exposed_s == pytest.approx(embeddings.time_s)
+    assert 0 < final_norm.exposed_s < final_norm.time_s
+    assert final_norm.exposed_s < layer1.exposed_s < layer1.time_s
+    assert layer0.exposed_s == 0
     for entry in (e for pair in exposed[0.0] for e in pair):
         assert entry.exposed_s == pytest.approx(entry.time_s)
 

@@ -49,13 +49,9 @@ def _train_step(rank: int, world: int) -> dict[str, Any]:
     with counting(backward):
         loss.backward()
     groups = [m for m in compiled.program.modules() if isinstance(m, GatherParams)]
-    regathers, group = [], groups[0].gathers.last_group  # the forward's last group first
-    while group is not None:
-        regathers.append(group.prefetched)
-        group = group.previous
     return {
         "prefetch": [dict(m.calls) for m in groups],  # in the program's order
-        "regather_prefetch": regathers,
+        "regather_prefetch": _regather_prefetch(compiled.program),
         "forward": dict(forward),
         "backward": dict(backward),
         "group_sizes": sorted(len(m.dims) for m in groups),
@@ -63,6 +59,36 @@ def _train_step(rank: int, world: int) -> dict[str, Any]:
         "grads": {n: compiled.full_gradient(n) for n, _ in reference.named_parameters()},
         "ref_grads": {n: p.grad for n, p in reference.named_parameters()},
     }
+
+
+def _regather_prefetch(program: torch.nn.Module) -> list[tuple[str, bool | None]]:
+    """Backward's regathers in the order it made them: each one's group (the forward's
+    ``GatherParams`` whose shards it gathers again) and whether it found its gather launched."""
+    groups = {n: m for n, m in program.named_modules() if isinstance(m, GatherParams)}
+    assert groups
+    first = next(iter(groups.values()))
+    assert first.sources is not None
+    name_of = {}
+    for name, module in groups.items():
+        assert module.sources is not None
+        name_of[module.sources()[0].data_ptr()] = name.removeprefix("all_gather_dp_params_")
+    order = first.gathers.regathers.backward()
+    return [(name_of[g._shards[0].data_ptr()], g.prefetched) for g in order]
+
+
+def _tied_step(rank: int, world: int) -> dict[str, Any]:
+    """A tiny GPT, whose head reads the embedding's weight (tied), under FSDP: the order
+    backward regathers its groups in."""
+    torch.manual_seed(0)
+    model, (tokens,) = build("gpt-tiny", batch_size=4, n_layer=N_LAYER)
+    mesh = autopar.Mesh((world,), ("dp",), device="cpu")
+    compiled = autopar.compile(
+        model, mesh, example_inputs=(tokens,), force="fsdp", inputs="local", outputs="sharded"
+    )
+    local = tokens[compiled.input_slices()[0]]
+    logits = compiled(local)
+    F.cross_entropy(logits.flatten(0, 1), local.flatten()).backward()
+    return {"regather_prefetch": _regather_prefetch(compiled.program)}
 
 
 def _groups_against_single_gathers(rank: int, world: int) -> dict[str, Any]:
@@ -114,7 +140,19 @@ def test_each_group_is_gathered_while_the_one_before_it_computes(
     never gathered again."""
     for rank in step:
         assert rank["prefetch"] == [{"waited": 1}] + [{"prefetched": 1}] * (N_LAYER + 1)
-        assert rank["regather_prefetch"] == [False] + [True] * N_LAYER + [None]
+        layers = [(f"layer{i}", True) for i in reversed(range(N_LAYER))]
+        assert rank["regather_prefetch"] == [("outside3", False), *layers]
+
+
+def test_backward_reaches_a_tied_embedding_first() -> None:
+    """FSDP2's backward order is the reverse of the order the groups' weights were last
+    saved in forward: the head saves the embedding's weight (tied), so the embedding's group
+    is regathered first, where the head's backward needs it, and launches the final norm's
+    group; one regather a backward waits (the one the ledger files whole,
+    ``autopar_passes.ledger.reshard_entries``)."""
+    for rank in run_ranks(_tied_step, 2):
+        layers = [(f"layer{i}", True) for i in reversed(range(N_LAYER))]
+        assert rank["regather_prefetch"] == [("outside0", False), ("outside3", True), *layers]
 
 
 def test_grouped_fsdp_gradients_equal_one_device(step: list[dict[str, Any]]) -> None:
