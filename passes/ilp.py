@@ -74,7 +74,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autopar_passes.ilp_relax import relax_edges
-from autopar_passes.mip import Lin, Mip, MipResult
+from autopar_passes.mip import Lin, Mip, MipResult, solve_rounded
 from autopar_plans.plan import SolverReport
 
 Matrix = dict[tuple[int, int], float]
@@ -531,7 +531,12 @@ def _solve(
     switch = SWITCH_CHECKS if beat_this and not any_plan else None
     limit = replace(WorkLimit.of(time_limit, beat_this), any_plan=any_plan, switch=switch)
     options = PROOF if beat_this else SEARCH
-    result = model.solve(CLOCK_FACTOR * time_limit, backend, dict(options), limit)
+    # most of the planner's MIPs are settled by their relaxation, rounded (``solve_rounded``)
+    result = (
+        solve_rounded(model, CLOCK_FACTOR * time_limit, any_plan) if backend == "highs" else None
+    )
+    if result is None:
+        result = model.solve(CLOCK_FACTOR * time_limit, backend, dict(options), limit)
     if limit.fired == SWITCHED:
         limit = replace(limit, switch=None, checks=0, fired="")
         result = model.solve(CLOCK_FACTOR * time_limit, backend, dict(SEARCH), limit)
