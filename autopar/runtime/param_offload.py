@@ -160,9 +160,7 @@ class Refetch:
     (the ``Source`` of their recipes, ``runtime.regather``): the first unpack copies up
     every member claimed, the last drops them."""
 
-    def __init__(
-        self, pieces: Sequence[HostPiece], uplink: Uplink, order: BackwardOrder
-    ) -> None:
+    def __init__(self, pieces: Sequence[HostPiece], uplink: Uplink, order: BackwardOrder) -> None:
         self._pieces = tuple(pieces)
         self._uplink = uplink
         self._claims = [0] * len(pieces)
