@@ -24,6 +24,7 @@ it takes and how).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from autopar_passes.strategies.graph import NodeChoices, TensorInput
 from autopar_passes.strategies.types import Strategy
@@ -85,6 +86,11 @@ class Decisions:
 
     def size(self) -> int:
         return sum(len(d.strategies) for d in self.decisions.values() if len(d.strategies) > 1)
+
+    @cached_property
+    def position(self) -> dict[str, int]:
+        """Each node's place in the graph's order (``choices`` is in it)."""
+        return {name: i for i, name in enumerate(self.choices)}
 
 
 def group_decisions(

@@ -273,7 +273,6 @@ def _node_costs(
     # what hides each offloaded parameter's fetches: its readers' compute at its least
     hiding = least_reader_compute(decisions, cost) if cost.offload.parameters else {}
     layers_seen = False
-    position = {name: i for i, name in enumerate(decisions.choices)}
     for node_name, binding in decisions.bindings.items():
         found = decisions.choices[node_name].note
         layer = None if found is None else found.layer
@@ -328,7 +327,7 @@ def _node_costs(
             held = parts.least_compute.setdefault(place, [0.0, 0.0])
             held[0] += min(f for f, _ in least)
             held[1] += min(b for _, b in least)
-            parts.least_backward.append((position[node_name], min(b for _, b in least)))
+            parts.least_backward.append((decisions.position[node_name], min(b for _, b in least)))
 
 
 def _edge_costs(
@@ -356,7 +355,6 @@ def _edge_costs(
             example.setdefault(key, (source.producer, source.index, node_name, i))
     keeper = _first_keepers(decisions, example)
     sole = sole_keepers(decisions)
-    position = {name: i for i, name in enumerate(decisions.choices)}
     for key, times in counted.items():
         producer, index, consumer, i = example[key]
         left = decisions.bindings[producer].decision
@@ -405,7 +403,7 @@ def _edge_costs(
                         found = parts.prefetch.setdefault((call.group, side), Prefetched())
                         found.calls[call_key] = max(found.calls.get(call_key, 0.0), fixed)
                         if side == 1 and regathered:
-                            found.kept_until = max(found.kept_until, position[consumer])
+                            found.kept_until = max(found.kept_until, decisions.position[consumer])
                     parts.copies[call.group] = max(parts.copies.get(call.group, 1), times)
                 if place is not None:
                     gather, regather = cost.prefetched(
@@ -427,7 +425,7 @@ def _edge_costs(
                     )
         if place is not None and regathered and any(r for _, r in hide_m.values()):
             found = parts.prefetch.setdefault((place, 1), Prefetched())
-            found.kept_until = max(found.kept_until, position[consumer])
+            found.kept_until = max(found.kept_until, decisions.position[consumer])
         edge_index = None if left == right else len(parts.edge_terms)
         if memory_m:
             parts.kept_copies[key] = PairTerm(

@@ -218,7 +218,7 @@ class GroupRegather:
         shards: Sequence[torch.Tensor],
         dims: Sequence[int],
         group: Group,
-        order: BackwardOrder | None = None,
+        order: BackwardOrder,
         sources: Sequence[Any] | None = None,
     ):
         """``sources``: where to have the shards again (``regather.Source``s) instead of
@@ -243,8 +243,7 @@ class GroupRegather:
             for source in self._sources:  # this group will fetch its shards once
                 source.claim()
         self._pending += 1
-        if self._order is not None:
-            self._order.packed(self)
+        self._order.packed(self)
 
     @property
     def pending(self) -> bool:
@@ -283,8 +282,7 @@ class GroupRegather:
     def _prefetch_next(self) -> None:
         """Launch the gather of the group backward fetches next (FSDP2's backward
         prefetch, in its post-forward order: ``regather.BackwardOrder``)."""
-        if self._order is not None:
-            self._order.prefetch_after(self)
+        self._order.prefetch_after(self)
 
 
 class _Member:

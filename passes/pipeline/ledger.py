@@ -111,7 +111,7 @@ class _PipelineLedger:
             )
             mine = [p for p in self.programs if p.index % self.pp == stage]
             reshards = [r for program in mine for r in self._reshards(program)]
-            ops = {self.sources.get(n.name, n.name) for p in mine for n in p.graph.nodes}
+            ops = set().union(*(self._traced_ops(program) for program in mine))
             reshard_entries(ledger, self.traced, self.plan, reshards, self.walk.cast, ops)
             for program in mine:
                 self._handoffs(ledger, program)
@@ -138,7 +138,7 @@ class _PipelineLedger:
         consumers keeps them (a tied weight's gather on the first stage serves only the
         embedding, which keeps no weight, though the head on the last keeps its own)."""
         made = self.walk.made
-        names = {self.sources.get(node.name, node.name) for node in program.graph.nodes}
+        names = self._traced_ops(program)
         found = []
         for node in program.graph.nodes:
             key = self.lowered.reshards.get(node.name)
@@ -146,6 +146,10 @@ class _PipelineLedger:
             if reshard is not None:
                 found.append(dataclasses.replace(reshard, saved=bool(reshard.savers & names)))
         return found
+
+    def _traced_ops(self, program: StageProgram) -> set[str]:
+        """The traced graph's nodes whose work ``program`` runs."""
+        return {self.sources.get(node.name, node.name) for node in program.graph.nodes}
 
     def _handoffs(self, ledger: Ledger, program: StageProgram) -> None:
         """The values ``program`` receives and sends, forward and (their gradients) back."""
