@@ -521,9 +521,9 @@ def _solve(
         model.add(memory, upper=problem.memory_limit / GIB)
     model.minimize(objective)
     if cutoff is not None:
-        model.add(objective, upper=cutoff)
+        model.cap(objective, cutoff)
     if work_cutoff is not None:
-        model.add(objective.minus(exposed.scaled(problem.sync_passes)), upper=work_cutoff)
+        model.cap(objective.minus(exposed.scaled(problem.sync_passes)), work_cutoff)
 
     beat_this = cutoff is not None or work_cutoff is not None
     # a proof first, without presolve; one that finds no plan past its root is looking
@@ -560,7 +560,7 @@ def _solve(
         time_s=elapsed,
         time_limit_s=time_limit,
         variables=n_binary + n_edge + len(problem.group_calls) + len(problem.prefetch) + 1,
-        constraints=len(model.rows),
+        constraints=len(model.all_rows()),
         objective=result.objective if feasible else None,
         gap=result.gap,
     )

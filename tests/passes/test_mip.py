@@ -1,11 +1,13 @@
 """The MIP the planner's ILP is written into: HiGHS and the CBC fallback solve the same
 model to the same answer; an infeasible model says so; a relaxation that is integral but
 for a few columns settles the MIP when its rounding is within HiGHS's gap of its bound,
-and only then."""
+and only then; a cap (a cutoff) left out of the relaxation is checked after it, and proves
+no plan only where no point of the relaxation meets it."""
 
 from __future__ import annotations
 
 import doctest
+import math
 
 import pytest
 
@@ -117,3 +119,56 @@ def test_a_relaxation_with_no_solution_proves_the_mip_has_none():
 def test_a_relaxation_left_fractional_on_many_columns_is_left_to_the_mip():
     model, _ = _knapsack()  # 1 column of 4 fractional: over ROUNDED_MOST
     assert solve_rounded(model, time_limit=10.0) is None
+
+
+def test_caps_are_rows_of_the_mip():
+    model, _ = _one_of_each([[3.0, 1.0, 2.0], [0.5, 4.0]])
+    model.cap(model.objective, 1.0)  # the optimum is 1.5
+    assert model.solve(time_limit=10.0).infeasible
+    assert model.all_rows()[-1] == (-math.inf, 1.0, model.objective.terms)
+
+
+def test_a_cap_the_relaxation_meets_leaves_its_answer_as_it_was():
+    model, picks = _one_of_each([[3.0, 1.0, 2.0], [0.5, 4.0], [2.0, 2.5, 7.0]])
+    model.cap(model.objective, 3.5 * (1 + 1e-7))
+    rounded = solve_rounded(model, time_limit=10.0)
+    assert rounded is not None and rounded.status == "optimal"
+    assert rounded.objective == pytest.approx(3.5)
+    assert [round(rounded.value(x)) for x in picks[0]] == [0, 1, 0]
+
+
+def test_an_objective_cap_under_the_relaxation_bound_proves_no_plan():
+    model, _ = _one_of_each([[3.0, 1.0, 2.0], [0.5, 4.0], [2.0, 2.5, 7.0]])
+    model.cap(model.objective, 3.4)
+    rounded = solve_rounded(model, time_limit=10.0)
+    assert rounded is not None and rounded.infeasible
+    assert model.solve(time_limit=10.0).infeasible
+
+
+def _work_and_penalty() -> tuple[Mip, Lin, list[Lin]]:
+    """Two choices of work 1 and 2; the first costs a penalty of 10 besides (``e``, a
+    column apart, as the ILP's exposed communication): the optimum takes the second."""
+    model = Mip()
+    picks = [model.binary(), model.binary()]
+    model.equal(Lin.total(picks), 1.0)
+    penalty = model.variable(0.0)
+    model.at_most(picks[0], penalty)
+    work = Lin.total([picks[0], picks[1].scaled(2.0)])
+    model.minimize(work.scaled(1.0).add(penalty, 10.0))
+    return model, work, picks
+
+
+def test_a_cap_on_part_of_the_objective_is_refuted_by_its_least_over_the_relaxation():
+    model, work, _ = _work_and_penalty()
+    model.cap(work, 0.5)  # no choice works less than 1
+    rounded = solve_rounded(model, time_limit=10.0)
+    assert rounded is not None and rounded.infeasible
+    assert model.solve(time_limit=10.0).infeasible
+
+
+def test_a_cap_the_relaxation_misses_but_could_meet_is_left_to_the_mip():
+    model, work, picks = _work_and_penalty()
+    model.cap(work, 1.5)  # the relaxation's optimum works 2; the first choice meets it
+    assert solve_rounded(model, time_limit=10.0) is None
+    solved = model.solve(time_limit=10.0)
+    assert solved.objective == pytest.approx(11.0) and solved.value(picks[0]) == 1.0
