@@ -128,7 +128,15 @@ def test_caps_are_rows_of_the_mip():
     assert model.all_rows()[-1] == (-math.inf, 1.0, model.objective.terms)
 
 
-def test_a_cap_the_relaxation_meets_leaves_its_answer_as_it_was():
+@pytest.fixture(params=["with the caps first", "without them"])
+def capped_seconds(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each cap test both ways: the relaxation with the caps as rows tried first, and
+    (no time for it) the relaxation without them, checked after: the same answers."""
+    if request.param == "without them":
+        monkeypatch.setattr(autopar_passes.mip, "CAPPED_SECONDS", 0.0)
+
+
+def test_a_cap_the_relaxation_meets_leaves_its_answer_as_it_was(capped_seconds):
     model, picks = _one_of_each([[3.0, 1.0, 2.0], [0.5, 4.0], [2.0, 2.5, 7.0]])
     model.cap(model.objective, 3.5 * (1 + 1e-7))
     rounded = solve_rounded(model, time_limit=10.0)
@@ -137,7 +145,7 @@ def test_a_cap_the_relaxation_meets_leaves_its_answer_as_it_was():
     assert [round(rounded.value(x)) for x in picks[0]] == [0, 1, 0]
 
 
-def test_an_objective_cap_under_the_relaxation_bound_proves_no_plan():
+def test_an_objective_cap_under_the_relaxation_bound_proves_no_plan(capped_seconds):
     model, _ = _one_of_each([[3.0, 1.0, 2.0], [0.5, 4.0], [2.0, 2.5, 7.0]])
     model.cap(model.objective, 3.4)
     rounded = solve_rounded(model, time_limit=10.0)
@@ -158,7 +166,7 @@ def _work_and_penalty() -> tuple[Mip, Lin, list[Lin]]:
     return model, work, picks
 
 
-def test_a_cap_on_part_of_the_objective_is_refuted_by_its_least_over_the_relaxation():
+def test_a_cap_on_part_of_the_objective_is_refuted_by_its_least_over_the_relaxation(capped_seconds):
     model, work, _ = _work_and_penalty()
     model.cap(work, 0.5)  # no choice works less than 1
     rounded = solve_rounded(model, time_limit=10.0)
@@ -166,9 +174,23 @@ def test_a_cap_on_part_of_the_objective_is_refuted_by_its_least_over_the_relaxat
     assert model.solve(time_limit=10.0).infeasible
 
 
-def test_a_cap_the_relaxation_misses_but_could_meet_is_left_to_the_mip():
+def test_a_cap_the_relaxation_misses_but_could_meet_is_left_to_the_mip(capped_seconds):
     model, work, picks = _work_and_penalty()
     model.cap(work, 1.5)  # the relaxation's optimum works 2; the first choice meets it
     assert solve_rounded(model, time_limit=10.0) is None
     solved = model.solve(time_limit=10.0)
     assert solved.objective == pytest.approx(11.0) and solved.value(picks[0]) == 1.0
+
+
+def test_a_cap_the_relaxation_refutes_with_it_as_a_row_needs_no_relaxation_without(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    model, work, _ = _work_and_penalty()
+    model.cap(work, 0.5)
+
+    def unused(*args: object) -> None:
+        raise AssertionError("the relaxation without the caps was solved")
+
+    monkeypatch.setattr(autopar_passes.mip, "_caps_met", unused)
+    rounded = solve_rounded(model, time_limit=10.0)
+    assert rounded is not None and rounded.infeasible
