@@ -532,10 +532,12 @@ def _solve(
     limit = replace(WorkLimit.of(time_limit, beat_this), any_plan=any_plan, switch=switch)
     options = PROOF if beat_this else SEARCH
     # most of the planner's MIPs are settled by their relaxation, rounded (``solve_rounded``)
-    result = (
-        solve_rounded(model, CLOCK_FACTOR * time_limit, any_plan) if backend == "highs" else None
-    )
-    if result is None:
+    rounded = solve_rounded(model, CLOCK_FACTOR * time_limit) if backend == "highs" else None
+    if rounded is not None and (rounded.status == "optimal" or rounded.infeasible or any_plan):
+        result = rounded
+    else:
+        if rounded is not None:  # a plan under the cutoffs: no proof to try, as if switched
+            options, limit = SEARCH, replace(limit, switch=None)
         result = model.solve(CLOCK_FACTOR * time_limit, backend, dict(options), limit)
     if limit.fired == SWITCHED:
         limit = replace(limit, switch=None, checks=0, fired="")

@@ -274,25 +274,25 @@ ROUNDED_GAP = 1e-4  # HiGHS's own mip_rel_gap: "optimal" means the same either w
 ROUNDED_MOST = 0.05  # the share of integer columns left fractional that is still tried
 
 
-def solve_rounded(mip: Mip, time_limit: float, any_plan: bool = False) -> MipResult | None:
-    """The MIP solved from its linear relaxation, where that settles it; None where it does
-    not (the caller solves the MIP itself).
+def solve_rounded(mip: Mip, time_limit: float) -> MipResult | None:
+    """The MIP solved from its linear relaxation: no plan, a plan proved optimal, a plan
+    further than that from the bound ("feasible", with its gap), or None (the caller solves
+    the MIP itself).
 
     Where the relaxation with the caps (``Mip.cap``) as rows is proved to have no solution
     within ``CAPPED_SECONDS``, the MIP has none. Otherwise the relaxation is solved
-    without the caps: its optimum ``x*``, ``z_LP``
-    is no more than any plan's objective, caps or not. Where ``x*`` meets every cap it is
-    the optimum with them too. Where it does not, a cap ``a x <= u`` that no point of the
-    relaxation meets (``min a x > u``: the objective's own cap, ``z_LP > u``; another,
-    the relaxation minimising ``a x`` from ``x*``'s basis) proves the MIP has no plan;
-    otherwise the MIP is left to the caller.
+    without the caps: its optimum ``x*``, ``z_LP`` is no more than any plan's objective,
+    caps or not. Where ``x*`` meets every cap it is the optimum with them too. Where it
+    does not, a cap ``a x <= u`` that no point of the relaxation meets (``min a x > u``:
+    the objective's own cap, ``z_LP > u``; another, the relaxation minimising ``a x`` from
+    ``x*``'s basis) proves the MIP has no plan; otherwise the MIP is left to the caller.
 
     With every integer column the relaxation leaves integral fixed there, the few left are
     solved as a MIP, caps included; its optimum ``z`` is a plan, optimal within
-    ``ROUNDED_GAP`` where ``z - z_LP <= ROUNDED_GAP |z|`` (returned with that gap: HiGHS's
-    own test, against the relaxation's bound instead of its branch-and-bound's). A
-    relaxation with no solution proves the MIP has none; ``any_plan``: any plan settles
-    it."""
+    ``ROUNDED_GAP`` where ``z - z_LP <= ROUNDED_GAP |z|`` (status "optimal": HiGHS's own
+    test, against the relaxation's bound instead of its branch-and-bound's); a plan
+    further from the bound says at least that the MIP has one. A relaxation with no
+    solution proves the MIP has none."""
     integer = [c for c, is_int in enumerate(mip.integer) if is_int]
     if not integer:
         return None
@@ -344,8 +344,6 @@ def solve_rounded(mip: Mip, time_limit: float, any_plan: bool = False) -> MipRes
         return None
     objective = float(highs.getObjectiveValue())
     gap = max(objective - bound, 0.0) / max(abs(objective), 1e-300)
-    if gap > ROUNDED_GAP and not any_plan:
-        return None
     return MipResult(
         "optimal" if gap <= ROUNDED_GAP else "feasible (a plan; not proved optimal)",
         True,

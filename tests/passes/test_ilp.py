@@ -12,6 +12,7 @@ import pytest
 
 from autopar_passes import ilp
 from autopar_passes.ilp import GIB, IlpProblem, WorkLimit, solve_ilp
+from autopar_passes.mip import MipResult
 
 
 def _callback(limit: WorkLimit, checks: int, incumbent: float) -> bool:
@@ -119,7 +120,39 @@ def test_a_proof_that_finds_no_plan_at_its_root_is_solved_again_with_presolve(
 
     monkeypatch.setattr(ilp.Mip, "solve", spy)
     monkeypatch.setattr(ilp, "SWITCH_CHECKS", 0)  # switch at the first checkpoint
+    monkeypatch.setattr(ilp, "solve_rounded", lambda mip, time_limit: None)
     found = solve_ilp(problem, **{cutoff: best.report.objective * 1.5})
     assert runs == [ilp.PROOF, ilp.SEARCH]
     assert found.feasible and found.report.objective == pytest.approx(best.report.objective)
     assert not found.report.status.startswith(("gave up", "presolve"))
+
+
+@pytest.mark.parametrize("cutoff", ["cutoff", "work_cutoff"])
+def test_a_plan_the_rounding_finds_under_a_cutoff_sends_the_mip_to_search(
+    monkeypatch: pytest.MonkeyPatch, cutoff: str
+) -> None:
+    """Where the relaxation, rounded, finds a plan under the cutoff but not within HiGHS's
+    gap of the bound, there is no proof to try: the MIP starts as the switch above would
+    have it, with presolve, to the same answer."""
+    problem = _random_problem(decisions=120, choices=4)
+    best = solve_ilp(problem)
+    assert best.feasible and best.report.objective is not None
+    runs: list[dict[str, object]] = []
+    rounded: list[MipResult | None] = []
+    solve, solve_rounded = ilp.Mip.solve, ilp.solve_rounded
+
+    def spy(self: ilp.Mip, time_limit: float, backend: str, options: dict, callback: object):
+        runs.append(dict(options))
+        return solve(self, time_limit, backend, options, callback)
+
+    def spy_rounded(mip: ilp.Mip, time_limit: float) -> MipResult | None:
+        rounded.append(solve_rounded(mip, time_limit))
+        return rounded[-1]
+
+    monkeypatch.setattr(ilp.Mip, "solve", spy)
+    monkeypatch.setattr(ilp, "solve_rounded", spy_rounded)
+    found = solve_ilp(problem, **{cutoff: best.report.objective * 1.5})
+    (plan,) = rounded
+    assert plan is not None and plan.has_solution and plan.status != "optimal"
+    assert runs == [ilp.SEARCH]
+    assert found.feasible and found.report.objective == pytest.approx(best.report.objective)
