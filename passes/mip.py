@@ -297,16 +297,13 @@ def solve_rounded(mip: Mip, time_limit: float) -> MipResult | None:
     if not integer:
         return None
     no_plan = MipResult("infeasible", False, True, None, None, "highs", [])
-    if mip.caps and _caps_refuted(mip, min(CAPPED_SECONDS, time_limit)):
+    lp = _highs_lp(mip, caps=False)
+    if mip.caps and _caps_refuted(lp, mip, min(CAPPED_SECONDS, time_limit)):
         return no_plan
     try:
         # without presolve: it spent 34 s proving one relaxation under a cutoff infeasible
         # (llama3-8b of 8 layers on 64 H100s), which the simplex alone did in 0.2 s
-        highs = _highs(
-            _highs_lp(mip, caps=False),
-            time_limit,
-            {"solve_relaxation": True, "presolve": "off"},
-        )
+        highs = _highs(lp, time_limit, {"solve_relaxation": True, "presolve": "off"})
     except SolverUnavailable:
         return None
     with quiet_stdout():
@@ -330,14 +327,7 @@ def solve_rounded(mip: Mip, time_limit: float) -> MipResult | None:
     highs.setOptionValue("solve_relaxation", False)
     highs.setOptionValue("presolve", "choose")  # it takes the fixed columns out
     highs.changeColsBounds(len(settled), settled, fixed, fixed)
-    for upper, terms in mip.caps:
-        highs.addRow(
-            -highspy.kHighsInf,
-            upper,
-            len(terms),
-            np.fromiter(terms.keys(), np.int32, len(terms)),
-            np.fromiter(terms.values(), np.float64, len(terms)),
-        )
+    _add_caps(highs, mip)
     with quiet_stdout():
         highs.run()
     if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
@@ -364,13 +354,26 @@ def solve_rounded(mip: Mip, time_limit: float) -> MipResult | None:
 CAPPED_SECONDS = 2.0
 
 
-def _caps_refuted(mip: Mip, seconds: float) -> bool:
-    """Whether the relaxation with the caps as rows has no solution, proved within
-    ``seconds`` (False: it has one, or the time ran out)."""
+def _add_caps(highs: Any, mip: Mip) -> None:
+    """``mip``'s caps as rows of the model ``highs`` holds."""
+    for upper, terms in mip.caps:
+        highs.addRow(
+            -highspy.kHighsInf,
+            upper,
+            len(terms),
+            np.fromiter(terms.keys(), np.int32, len(terms)),
+            np.fromiter(terms.values(), np.float64, len(terms)),
+        )
+
+
+def _caps_refuted(lp: Any, mip: Mip, seconds: float) -> bool:
+    """Whether the relaxation ``lp`` (``mip`` without its caps) with the caps as rows has
+    no solution, proved within ``seconds`` (False: it has one, or the time ran out)."""
     try:
-        highs = _highs(_highs_lp(mip), seconds, {"solve_relaxation": True, "presolve": "off"})
+        highs = _highs(lp, seconds, {"solve_relaxation": True, "presolve": "off"})
     except SolverUnavailable:
         return False
+    _add_caps(highs, mip)
     with quiet_stdout():
         highs.run()
     return bool(highs.getModelStatus() == highspy.HighsModelStatus.kInfeasible)
