@@ -74,7 +74,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autopar_passes.ilp_relax import relax_edges
-from autopar_passes.mip import Lin, Mip, MipResult, solve_rounded
+from autopar_passes.mip import Lin, Mip, MipResult, solve_or_refute, solve_rounded
 from autopar_plans.plan import SolverReport
 
 Matrix = dict[tuple[int, int], float]
@@ -526,22 +526,20 @@ def _solve(
         model.cap(objective.minus(exposed.scaled(problem.sync_passes)), work_cutoff)
 
     beat_this = cutoff is not None or work_cutoff is not None
-    # a proof first, without presolve; one that finds no plan past its root is looking
-    # for a plan after all, which presolve finds faster (module comment)
-    switch = SWITCH_CHECKS if beat_this and not any_plan else None
-    limit = replace(WorkLimit.of(time_limit, beat_this), any_plan=any_plan, switch=switch)
-    options = PROOF if beat_this else SEARCH
+    limit = replace(WorkLimit.of(time_limit, beat_this), any_plan=any_plan)
+    clock = CLOCK_FACTOR * time_limit
     # most of the planner's MIPs are settled by their relaxation, rounded (``solve_rounded``)
-    rounded = solve_rounded(model, CLOCK_FACTOR * time_limit) if backend == "highs" else None
+    rounded = solve_rounded(model, clock) if backend == "highs" else None
     if rounded is not None and (rounded.status == "optimal" or rounded.infeasible or any_plan):
         result = rounded
+    elif beat_this and not any_plan and rounded is None and backend == "highs":
+        # a proof or a search, which shows only at the end: both at once (module comment)
+        result = solve_or_refute(model, clock, dict(SEARCH), limit)
     else:
-        if rounded is not None:  # a plan under the cutoffs: no proof to try, as if switched
-            options, limit = SEARCH, replace(limit, switch=None)
-        result = model.solve(CLOCK_FACTOR * time_limit, backend, dict(options), limit)
-    if limit.fired == SWITCHED:
-        limit = replace(limit, switch=None, checks=0, fired="")
-        result = model.solve(CLOCK_FACTOR * time_limit, backend, dict(SEARCH), limit)
+        # under a cutoff, whether there is a plan at all is a proof or the first plan; a
+        # plan under the cutoffs in hand (the rounding's) leaves nothing to refute
+        options = PROOF if beat_this and any_plan else SEARCH
+        result = model.solve(clock, backend, dict(options), limit)
     elapsed = time.perf_counter() - start
     gave_up = limit.fired == "gave up"
     feasible = result.has_solution and not gave_up
@@ -769,13 +767,14 @@ def _add_edge(
 # 6.8 s and 20.8 s. (Probing alone, with presolve on, once took a minute on llama-tiny 4x2
 # with a cutoff row over the whole objective: it stays off.)
 #
-# Which of the two a solve under a cutoff is, a proof or a search, shows at its root: a
-# proof ends there (2 checkpoints, below), a search goes on cutting the root LP, which
-# without presolve's reductions is slow. So a solve under a cutoff without a plan after
-# ``SWITCH_CHECKS`` checkpoints starts again with presolve, with its whole budget: the
-# first memory-bounded solve of llama3-8b's search on 64 devices (work cutoff only)
-# found its plan after 37 s and 60 checkpoints without presolve, 14 s with it, while
-# its search's 30 proofs each ended within 2.
+# Which of the two a solve under a cutoff is, a proof or a search, shows only at its end,
+# so the search runs with a proof beside it (``mip.solve_or_refute``: without presolve or
+# heuristics, answering only "no plan"): the first memory-bounded solve of llama3-8b's
+# search on 64 devices (work cutoff only) found its plan after 37 s without presolve,
+# 14 s with it, while llama3-70b's on 64x8 without a pipeline proved it had none in 29 s
+# without presolve and 100 s with it. (A switch to presolve after the proof's sixth
+# checkpoint, before, took that proof to the search: 124 s.) ``PROOF``: the solves that
+# ask only whether there is a plan (``any_plan``), which stop at the first.
 #
 # A search runs without HiGHS's two sub-MIP heuristics, RINS and RENS. With presolve on,
 # HiGHS restarts the root each time reduced-cost fixing frees a share of the columns, and
@@ -793,8 +792,6 @@ SEARCH = {
     "mip_heuristic_run_rins": False,
     "mip_heuristic_run_rens": False,
 }
-SWITCH_CHECKS = 6
-SWITCHED = "presolve switched on"
 
 
 # The solver stops by the work it has done, not by the clock, so the same problem gives the
@@ -819,16 +816,14 @@ class WorkLimit:
     """HiGHS's interrupt callback: stop a solve by the work it did, in the solver's
     checkpoints (``WorkLimit.of`` a budget). ``give_up``: with a cutoff, stop a solve that
     has no plan after this many (None: no cutoff); ``most``: stop any solve after this
-    many, with its best plan; ``any_plan``: stop at the first plan; ``switch``: stop a
-    solve without a plan after this many (to solve it again with presolve). ``fired``
-    says which stopped it ("" for none)."""
+    many, with its best plan; ``any_plan``: stop at the first plan. ``fired`` says which
+    stopped it ("" for none)."""
 
     give_up: int | None
     most: int
     checks: int = 0
     fired: str = ""
     any_plan: bool = False  # stop at the first plan: only whether there is one matters
-    switch: int | None = None  # stop a solve without a plan after this many, to rerun it
 
     @staticmethod
     def of(budget_s: float, beat_this: bool) -> WorkLimit:
@@ -841,13 +836,6 @@ class WorkLimit:
         if self.any_plan and math.isfinite(out.mip_primal_bound):
             into.user_interrupt = True
             self.fired = "found a plan"
-        elif (
-            self.switch is not None
-            and self.checks > self.switch
-            and not math.isfinite(out.mip_primal_bound)
-        ):
-            into.user_interrupt = True
-            self.fired = SWITCHED
         elif (
             self.give_up is not None
             and self.checks > self.give_up

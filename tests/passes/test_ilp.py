@@ -12,7 +12,7 @@ import pytest
 
 from autopar_passes import ilp
 from autopar_passes.ilp import GIB, IlpProblem, WorkLimit, solve_ilp
-from autopar_passes.mip import MipResult
+from autopar_passes.mip import MipResult, solve_or_refute
 
 
 def _callback(limit: WorkLimit, checks: int, incumbent: float) -> bool:
@@ -102,38 +102,40 @@ def test_a_budget_in_seconds_is_a_number_of_checkpoints() -> None:
 
 
 @pytest.mark.parametrize("cutoff", ["cutoff", "work_cutoff"])
-def test_a_proof_that_finds_no_plan_at_its_root_is_solved_again_with_presolve(
+def test_a_solve_under_a_cutoff_is_a_search_with_a_proof_beside_it(
     monkeypatch: pytest.MonkeyPatch, cutoff: str
 ) -> None:
-    """A solve under a cutoff starts without presolve (a proof ends at its root); one that
-    has no plan after ``SWITCH_CHECKS`` checkpoints is a search after all, and starts again
-    with presolve, to the same answer."""
+    """Where the rounding does not settle it, a solve under a cutoff is a proof or a
+    search, which shows only at its end: the search runs with presolve and a proof beside
+    it (``mip.solve_or_refute``), to the answer the solve without the cutoff gives, or
+    none under a cutoff below it."""
     problem = _random_problem(decisions=120, choices=4)
     best = solve_ilp(problem)
     assert best.feasible and best.report.objective is not None
     runs: list[dict[str, object]] = []
-    solve = ilp.Mip.solve
 
-    def spy(self: ilp.Mip, time_limit: float, backend: str, options: dict, callback: object):
+    def spy(mip: ilp.Mip, time_limit: float, options: dict, callback: object) -> MipResult:
         runs.append(dict(options))
-        return solve(self, time_limit, backend, options, callback)
+        return solve_or_refute(mip, time_limit, options, callback)
 
-    monkeypatch.setattr(ilp.Mip, "solve", spy)
-    monkeypatch.setattr(ilp, "SWITCH_CHECKS", 0)  # switch at the first checkpoint
+    monkeypatch.setattr(ilp, "solve_or_refute", spy)
     monkeypatch.setattr(ilp, "solve_rounded", lambda mip, time_limit: None)
     found = solve_ilp(problem, **{cutoff: best.report.objective * 1.5})
-    assert runs == [ilp.PROOF, ilp.SEARCH]
+    assert runs == [ilp.SEARCH]
     assert found.feasible and found.report.objective == pytest.approx(best.report.objective)
-    assert not found.report.status.startswith(("gave up", "presolve"))
+    assert found.report.status == "optimal"
+    # only the cutoff on the whole objective is certain to leave none below the optimum
+    none = solve_ilp(problem, cutoff=best.report.objective * 0.9)
+    assert not none.feasible and not none.timed_out
 
 
 @pytest.mark.parametrize("cutoff", ["cutoff", "work_cutoff"])
-def test_a_plan_the_rounding_finds_under_a_cutoff_sends_the_mip_to_search(
+def test_a_plan_the_rounding_finds_under_a_cutoff_leaves_the_search_alone(
     monkeypatch: pytest.MonkeyPatch, cutoff: str
 ) -> None:
     """Where the relaxation, rounded, finds a plan under the cutoff but not within HiGHS's
-    gap of the bound, there is no proof to try: the MIP starts as the switch above would
-    have it, with presolve, to the same answer."""
+    gap of the bound, there is nothing to refute: the MIP is the search alone, with
+    presolve, to the same answer."""
     problem = _random_problem(decisions=120, choices=4)
     best = solve_ilp(problem)
     assert best.feasible and best.report.objective is not None

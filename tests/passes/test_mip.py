@@ -8,11 +8,23 @@ from __future__ import annotations
 
 import doctest
 import math
+import random
+import threading
+from typing import Any
 
 import pytest
 
 import autopar_passes.mip
-from autopar_passes.mip import ROUNDED_GAP, Lin, Mip, solve_rounded
+from autopar_passes.mip import (
+    REFUTE,
+    REFUTED,
+    REFUTER,
+    ROUNDED_GAP,
+    Lin,
+    Mip,
+    solve_or_refute,
+    solve_rounded,
+)
 
 
 def test_docstring_example():
@@ -192,3 +204,69 @@ def test_a_cap_the_relaxation_refutes_with_it_as_a_row_needs_no_relaxation_witho
     monkeypatch.setattr(autopar_passes.mip, "_caps_met", unused)
     rounded = solve_rounded(model, time_limit=10.0)
     assert rounded is not None and rounded.infeasible
+
+
+def _knapsack_of(items: int) -> Mip:
+    """Most value in half the weight of ``items`` random items, as a minimisation."""
+    rng = random.Random(items)
+    model = Mip()
+    take = [model.binary() for _ in range(items)]
+    weights = [rng.randint(20, 60) for _ in range(items)]
+    values = [w + rng.randint(-5, 5) for w in weights]
+    model.add(
+        Lin.total(x.scaled(w) for x, w in zip(take, weights, strict=True)), upper=sum(weights) // 2
+    )
+    model.minimize(Lin.total(x.scaled(-v) for x, v in zip(take, values, strict=True)))
+    return model
+
+
+class _Checkpoints:
+    """An interrupt callback that counts the checkpoints it sees and stops nothing."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def __call__(self, kind: int, message: str, out: Any, into: Any, data: Any) -> None:
+        self.seen += 1
+
+
+def test_a_search_beside_a_proof_answers_as_the_search_alone_where_there_is_a_plan():
+    model = _knapsack_of(20)
+    alone = model.solve(time_limit=10.0)
+    assert alone.status == "optimal" and alone.objective is not None
+    model.cap(model.objective, alone.objective + 0.5)
+    found = solve_or_refute(model, 10.0, {}, _Checkpoints())
+    assert found.status == "optimal" and found.objective == pytest.approx(alone.objective)
+    assert found.values == model.solve(time_limit=10.0).values
+
+
+def test_a_proof_beside_the_search_stops_it_where_the_mip_has_no_plan(monkeypatch):
+    model = _knapsack_of(20)
+    best = model.solve(time_limit=10.0).objective
+    assert best is not None
+    model.cap(model.objective, best - 0.5)
+    options: list[dict[str, Any]] = []
+    highs = autopar_passes.mip._highs
+
+    def spy(lp: Any, time_limit: float, given: dict[str, Any]) -> Any:
+        options.append(given)
+        return highs(lp, time_limit, given)
+
+    monkeypatch.setattr(autopar_passes.mip, "_highs", spy)
+
+    def wait_for_the_proof(kind: int, message: str, out: Any, into: Any, data: Any) -> None:
+        """The search's first checkpoint waits until the proof beside it has ended."""
+        for thread in threading.enumerate():
+            if thread.name == REFUTER:
+                thread.join()
+
+    refuted = solve_or_refute(model, 10.0, {}, wait_for_the_proof)
+    assert options == [{}, REFUTE]
+    assert refuted.infeasible and not refuted.has_solution and refuted.status == REFUTED
+
+
+def test_a_search_that_proves_no_plan_itself_says_so():
+    model = _knapsack_of(20)
+    model.cap(model.objective, -1e6)  # below even the relaxation's bound
+    found = solve_or_refute(model, 10.0, {}, _Checkpoints())
+    assert found.infeasible and not found.has_solution
