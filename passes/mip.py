@@ -301,8 +301,8 @@ def solve_or_refute(
     """``mip`` solved by HiGHS with ``options`` and the interrupt ``callback`` (as
     ``Mip.solve``), with a proof beside it: a second solve on its own thread, with
     ``REFUTE``'s options, that only looks for a proof that ``mip`` has no plan. It stops at
-    the first plan it finds (which is never used) or when the search ends; where it proves
-    there is none first, the search is stopped at its next checkpoint and the answer is
+    the first plan either finds (its own is never used) or when the search ends; where it
+    proves there is none first, the search is stopped at its next checkpoint and the answer is
     "infeasible". The answer is the search's or, where the proof came first, what the
     search would have found (no plan, or none in its budget), so the clock decides how
     fast, never what. HiGHS releases the GIL while it solves: the two share the cores.
@@ -314,17 +314,20 @@ def solve_or_refute(
     lp = _highs_lp(mip)
     search = _highs(lp, time_limit, options)
     proof = _highs(lp, time_limit, REFUTE)
-    refuted, ended, stopped = threading.Event(), threading.Event(), threading.Event()
+    # moot: the search has a plan, or has ended; the proof then stops and frees its core
+    refuted, moot, stopped = threading.Event(), threading.Event(), threading.Event()
 
     def search_check(kind: int, message: str, out: Any, into: Any, data: Any) -> None:
         if refuted.is_set():
             into.user_interrupt = True
             stopped.set()
-        else:
-            callback(kind, message, out, into, data)
+            return
+        if math.isfinite(out.mip_primal_bound):
+            moot.set()
+        callback(kind, message, out, into, data)
 
     def proof_check(kind: int, message: str, out: Any, into: Any, data: Any) -> None:
-        if ended.is_set() or math.isfinite(out.mip_primal_bound):
+        if moot.is_set() or math.isfinite(out.mip_primal_bound):
             into.user_interrupt = True
 
     def prove() -> None:
@@ -337,9 +340,11 @@ def solve_or_refute(
     beside = threading.Thread(target=prove, name=REFUTER)
     with quiet_stdout():
         beside.start()
-        search.run()
-        ended.set()
-        beside.join()
+        try:
+            search.run()
+        finally:  # Ctrl-C in the search's callback too: the proof ends at its next checkpoint
+            moot.set()
+            beside.join()
     return _no_plan(REFUTED) if stopped.is_set() else _result(search, mip)
 
 
