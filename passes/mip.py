@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import sys
 import threading
 import warnings
@@ -234,17 +235,64 @@ def _highs(lp: Any, time_limit: float, options: dict[str, Any]) -> Any:
 
 def _solve_highs(mip: Mip, time_limit: float, options: dict[str, Any], callback: Any) -> MipResult:
     highs = _highs(_highs_lp(mip), time_limit, options)
-    if callback is not None:
-        _interrupt_by(highs, callback)
-    with quiet_stdout():
+    stop = _interrupt_by(highs, callback)
+    with quiet_stdout(), stop.ctrl_c_marked():
         highs.run()
+    stop.raise_ctrl_c()
     return _result(highs, mip)
 
 
-def _interrupt_by(highs: Any, callback: Any) -> None:
-    """``callback`` as HiGHS's MIP interrupt callback: it stops the solve at a checkpoint."""
-    highs.setCallback(callback, None)
+@dataclass
+class _Interrupt:
+    """HiGHS's MIP interrupt callback: ``check`` (None: none), and Ctrl-C.
+
+    Python runs its SIGINT handler at the next Python code the main thread runs, during a
+    solve the callback at HiGHS's next checkpoint; the KeyboardInterrupt it raised there
+    escaped into HiGHS before any code could catch it, and HiGHS swallowed it: the solve
+    stopped "not solved" and planning went on as if it had found nothing. So while HiGHS
+    runs, the handler only marks Ctrl-C (``ctrl_c_marked``), the callback stops the solve,
+    and ``raise_ctrl_c`` raises KeyboardInterrupt once HiGHS has returned."""
+
+    check: Any
+    ctrl_c: bool = False
+
+    def __call__(self, kind: int, message: str, out: Any, into: Any, data: Any) -> None:
+        if self.ctrl_c:
+            into.user_interrupt = True
+        elif self.check is not None:
+            self.check(kind, message, out, into, data)
+
+    @contextlib.contextmanager
+    def ctrl_c_marked(self) -> Iterator[None]:
+        """SIGINT marks ``ctrl_c`` meanwhile, where Python's own handler is set (only the
+        main thread sets handlers; a handler of the user's own is left as it is)."""
+        if (
+            threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        ):
+            yield
+            return
+
+        def mark(signum: int, frame: Any) -> None:
+            self.ctrl_c = True
+
+        signal.signal(signal.SIGINT, mark)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def raise_ctrl_c(self) -> None:
+        if self.ctrl_c:
+            raise KeyboardInterrupt
+
+
+def _interrupt_by(highs: Any, check: Any) -> _Interrupt:
+    """``check`` (None: none) as ``highs``'s MIP interrupt callback, with Ctrl-C."""
+    stop = _Interrupt(check)
+    highs.setCallback(stop, None)
     highs.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
+    return stop
 
 
 def _result(highs: Any, mip: Mip) -> MipResult:
@@ -335,16 +383,17 @@ def solve_or_refute(
         if proof.getModelStatus() == highspy.HighsModelStatus.kInfeasible:
             refuted.set()
 
-    _interrupt_by(search, search_check)
-    _interrupt_by(proof, proof_check)
+    stop = _interrupt_by(search, search_check)
+    _interrupt_by(proof, proof_check)  # signals reach only the main thread: never Ctrl-C
     beside = threading.Thread(target=prove, name=REFUTER)
-    with quiet_stdout():
+    with quiet_stdout(), stop.ctrl_c_marked():
         beside.start()
         try:
             search.run()
-        finally:  # Ctrl-C in the search's callback too: the proof ends at its next checkpoint
+        finally:
             moot.set()
             beside.join()
+    stop.raise_ctrl_c()
     return _no_plan(REFUTED) if stopped.is_set() else _result(search, mip)
 
 

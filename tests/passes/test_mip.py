@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import doctest
 import math
+import os
 import random
+import signal
 import threading
 from typing import Any
 
@@ -270,3 +272,30 @@ def test_a_search_that_proves_no_plan_itself_says_so():
     model.cap(model.objective, -1e6)  # below even the relaxation's bound
     found = solve_or_refute(model, 10.0, {}, _Checkpoints())
     assert found.infeasible and not found.has_solution
+
+
+@pytest.mark.parametrize("beside", ["alone", "beside a proof"])
+def test_ctrl_c_during_a_solve_stops_it_and_raises_keyboard_interrupt(beside: str):
+    """Python raises KeyboardInterrupt at the next Python code the main thread runs: during
+    a solve, inside the interrupt callback, where HiGHS swallowed it and the solve ended
+    "not solved" as if it had found nothing."""
+    model = _knapsack_of(40)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as the CLI runs
+    checks = 0
+
+    def ctrl_c_at_the_first(kind: int, message: str, out: Any, into: Any, data: Any) -> None:
+        nonlocal checks
+        checks += 1
+        if checks == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            if beside == "alone":
+                model.solve(10.0, "highs", {"presolve": "off"}, ctrl_c_at_the_first)
+            else:
+                solve_or_refute(model, 10.0, {"presolve": "off"}, ctrl_c_at_the_first)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert checks == 1  # stopped at the checkpoint after Ctrl-C
