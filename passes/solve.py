@@ -27,6 +27,7 @@ from autopar_cost_model.collectives import MeshCost
 from autopar_cost_model.hardware import DevicePreset, load_preset
 from autopar_cost_model.memory import precision_policy
 from autopar_cost_model.reduction import resolve_reduction
+from autopar_passes.collector import collector_paused
 from autopar_passes.costs import CostModel, fsdp_group_shares, gradient_bytes, sync_buckets
 from autopar_passes.decisions import Decisions, group_decisions
 from autopar_passes.ilp import (
@@ -185,6 +186,7 @@ class Solved:
         return self.decisions.output_layout(node, self.choice[binding.decision], index)
 
 
+@collector_paused()
 def solve_sharding(traced: TracedModel, request: SolveRequest) -> Solved:
     """Choose a strategy for every node of ``traced`` on ``request.mesh``.
 

@@ -35,6 +35,7 @@ from torch import nn
 
 from autopar_passes.annotate import annotate_graph
 from autopar_passes.annotation import META_KEY, NodeAnnotation, NodeKind, TensorInfo
+from autopar_passes.collector import collector_paused
 from autopar_passes.decompose import decompose_for_sharding
 from autopar_passes.dtype_check import check_dtypes
 from autopar_passes.expose import expose_fused_projections
@@ -147,6 +148,7 @@ class TracedModel:
 
 
 @torch.enable_grad()  # a program for training, also when made for a call under no_grad
+@collector_paused()
 def trace(
     model: nn.Module,
     example_inputs: Sequence[Any],

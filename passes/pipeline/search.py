@@ -43,6 +43,7 @@ from autopar_cost_model.memory import microbatches_in_flight
 from autopar_cost_model.schedule import schedule_time
 from autopar_cost_model.step import exposed_gradient_sync, mfu
 from autopar_passes.annotation import META_KEY
+from autopar_passes.collector import collector_paused
 from autopar_passes.costs import compute_dtype_of
 from autopar_passes.ilp import solve_ilp
 from autopar_passes.ledger import step_ledger, with_ledger
@@ -160,6 +161,7 @@ class Candidate:
         )
 
 
+@collector_paused()
 def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
     """The fastest plan over stage counts, schedules and microbatches (module docstring).
 
