@@ -27,6 +27,7 @@ from autopar.force import STYLES
 from autopar.model_source import build_model, parse_config
 from autopar.report import require_matplotlib
 from autopar_cost_model.memory import OPTIMIZERS
+from autopar_passes.collector import collector_paused
 from autopar_plans.compression import SCHEMES
 from autopar_plans.io import dump_plan, save_plan
 from autopar_plans.plan import Plan
@@ -138,6 +139,7 @@ def add_output_arguments(parser: Any) -> None:
     )
 
 
+@collector_paused()  # the model's build and the plan's printing too
 def run(args: argparse.Namespace) -> int:
     if args.report:
         require_matplotlib()
