@@ -654,8 +654,12 @@ def _recompute_parts(
 
 
 def _add_member(groups: Groups, key: tuple[float, float], member: Lin | float) -> None:
-    if not (isinstance(member, float) and member == 0.0):
-        groups.setdefault(key, Lin()).add(member)
+    if isinstance(member, float) and member == 0.0:
+        return
+    summed = groups.get(key)
+    if summed is None:  # (not setdefault: a new Lin for every member, kept for none but one)
+        summed = groups[key] = Lin()
+    summed.add(member)
 
 
 def _times_digit(model: Mip, groups: Groups, r: Lin, saving: Lin, forward: Lin) -> None:
