@@ -418,13 +418,15 @@ def solve_rounded(mip: Mip, time_limit: float) -> MipResult | None:
     further than that from the bound ("feasible", with its gap), or None (the caller solves
     the MIP itself).
 
-    Where the relaxation with the caps (``Mip.cap``) as rows is proved to have no solution
-    within ``CAPPED_SECONDS``, the MIP has none. Otherwise the relaxation is solved
-    without the caps: its optimum ``x*``, ``z_LP`` is no more than any plan's objective,
-    caps or not. Where ``x*`` meets every cap it is the optimum with them too. Where it
-    does not, a cap ``a x <= u`` that no point of the relaxation meets (``min a x > u``:
-    the objective's own cap, ``z_LP > u``; another, the relaxation minimising ``a x`` from
-    ``x*``'s basis) proves the MIP has no plan; otherwise the MIP is left to the caller.
+    The caps (``Mip.cap``) are checked first, each on its own: a cap ``a x <= u`` that no
+    point of the relaxation meets (``min a x > u``) proves the MIP has no plan. The
+    objective's own cap is that of the relaxation's optimum ``z_LP`` (``z_LP > u``);
+    another's is the relaxation minimising ``a x`` (``_cap_refuted``). Then the relaxation
+    is solved without the caps: its optimum ``x*``, ``z_LP`` is no more than any plan's
+    objective, caps or not. Where ``x*`` meets every cap it is the optimum with them too.
+    Where it does not, no cap alone is refuted (above), but two together may be: the
+    relaxation with them as rows is tried, within ``CAPPED_SECONDS``; otherwise the MIP is
+    left to the caller.
 
     With every integer column the relaxation leaves integral fixed there, the few left are
     solved as a MIP, caps included; its optimum ``z`` is a plan, optimal within
@@ -436,59 +438,71 @@ def solve_rounded(mip: Mip, time_limit: float) -> MipResult | None:
     if not integer:
         return None
     lp = _highs_lp(mip, caps=False)
-    if mip.caps and _caps_refuted(lp, mip, min(CAPPED_SECONDS, time_limit)):
+    objective = {c: v for c, v in mip.objective.terms.items() if v}
+    own = [upper for upper, terms in mip.caps if terms == objective]
+    others = [(upper, terms) for upper, terms in mip.caps if terms != objective]
+    if any(_cap_refuted(lp, mip, upper, terms, time_limit) for upper, terms in others):
         return _no_plan()
+    # without presolve: it spent 34 s proving one relaxation under a cutoff infeasible
+    # (llama3-8b of 8 layers on 64 H100s), which the simplex alone did in 0.2 s
+    options: dict[str, Any] = {"solve_relaxation": True, "presolve": "off"}
+    if own:  # the dual simplex stops once its bound passes the cap: no plan
+        options["objective_bound"] = _beyond(min(own)) + mip.objective.constant
     try:
-        # without presolve: it spent 34 s proving one relaxation under a cutoff infeasible
-        # (llama3-8b of 8 layers on 64 H100s), which the simplex alone did in 0.2 s
-        highs = _highs(lp, time_limit, {"solve_relaxation": True, "presolve": "off"})
+        highs = _highs(lp, time_limit, options)
     except SolverUnavailable:
         return None
     with quiet_stdout():
         highs.run()
     status = highs.getModelStatus()
-    if status == highspy.HighsModelStatus.kInfeasible:
+    if status in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kObjectiveBound):
         return _no_plan()
     if status != highspy.HighsModelStatus.kOptimal:
         return None
     bound = float(highs.getInfo().objective_function_value)
-    values = list(highs.getSolution().col_value)
-    met = _caps_met(highs, mip, values, bound)
-    if met is None:
-        return None
-    if not met:
+    if own and bound - mip.objective.constant > _beyond(min(own)):
         return _no_plan()
+    values = list(highs.getSolution().col_value)
+    if any(_at(terms, values) > _beyond(upper) for upper, terms in mip.caps):
+        joint = len(mip.caps) > 1 and _caps_refuted(lp, mip, min(CAPPED_SECONDS, time_limit))
+        return _no_plan() if joint else None
     settled = [c for c in integer if abs(values[c] - round(values[c])) <= 1e-9]
     if len(integer) - len(settled) > ROUNDED_MOST * len(integer):
         return None
     fixed = [float(round(values[c])) for c in settled]
     highs.setOptionValue("solve_relaxation", False)
     highs.setOptionValue("presolve", "choose")  # it takes the fixed columns out
+    highs.setOptionValue("objective_bound", highspy.kHighsInf)
     highs.changeColsBounds(len(settled), settled, fixed, fixed)
     _add_caps(highs, mip)
     with quiet_stdout():
         highs.run()
     if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         return None
-    objective = float(highs.getObjectiveValue())
-    gap = max(objective - bound, 0.0) / max(abs(objective), 1e-300)
+    objective_value = float(highs.getObjectiveValue())
+    gap = max(objective_value - bound, 0.0) / max(abs(objective_value), 1e-300)
     return MipResult(
         "optimal" if gap <= ROUNDED_GAP else "feasible (a plan; not proved optimal)",
         True,
         False,
-        objective,
+        objective_value,
         gap,
         "highs",
         list(highs.getSolution().col_value),
     )
 
 
-# The relaxation with the caps as rows proves most cutoffs hopeless in a fraction of the
-# time it takes without them (llama3-70b on 8x8: 24 proofs in 11.9 s against 24.4 s), but
-# not all: on some, each simplex iteration took 13 ms where it took 0.5 ms without the
-# caps (55 s, and no answer). It is given this many seconds of the clock; past them the
-# relaxation without the caps gives the same proof, or leaves it to the MIP, so the clock
-# decides how fast, never what.
+# A cap other than the objective's is refuted by the relaxation minimising its sum, with
+# the dual simplex stopped once its bound passes the cap (HiGHS's ``objective_bound``): the
+# bound of a dual feasible basis, never above the least. It used to be tried as a row of
+# the relaxation first: one dense row (every column the objective has, coefficients from
+# 1e-11 to 2e3) made some of those relaxations crawl at 2-4 ms a simplex iteration. Every
+# cap relaxation of llama3-70b's search on 64 H100s (188), solved both ways: the caps as
+# rows proved 121 hopeless in 16.9 s, and ran 5 to their 2 s limit without an answer; each
+# cap minimised proved those 126 in 17.8 s, agreed on every other (62, 1.8 s and 1.7 s).
+# The caps as rows are left for two caps no point of the relaxation meets together though
+# each alone is met: given this many seconds of the clock, past them the MIP decides, so
+# the clock decides how fast, never what.
 CAPPED_SECONDS = 2.0
 
 
@@ -502,6 +516,30 @@ def _add_caps(highs: Any, mip: Mip) -> None:
             np.fromiter(terms.keys(), np.int32, len(terms)),
             np.fromiter(terms.values(), np.float64, len(terms)),
         )
+
+
+def _cap_refuted(lp: Any, mip: Mip, upper: float, terms: dict[int, float], seconds: float) -> bool:
+    """Whether no point of the relaxation ``lp`` (``mip`` without its caps) meets the cap
+    ``terms <= upper``: their least passes it (False: it does not, or the time ran out)."""
+    try:
+        highs = _highs(
+            lp,
+            seconds,
+            {"solve_relaxation": True, "presolve": "off", "objective_bound": _beyond(upper)},
+        )
+    except SolverUnavailable:
+        return False
+    costs = np.zeros(mip.num_columns)
+    costs[np.fromiter(terms.keys(), np.int64, len(terms))] = list(terms.values())
+    highs.changeColsCost(mip.num_columns, np.arange(mip.num_columns, dtype=np.int32), costs)
+    highs.changeObjectiveOffset(0.0)
+    with quiet_stdout():
+        highs.run()
+    status = highs.getModelStatus()
+    if status in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kObjectiveBound):
+        return True
+    least = float(highs.getInfo().objective_function_value)
+    return status == highspy.HighsModelStatus.kOptimal and least > _beyond(upper)
 
 
 def _caps_refuted(lp: Any, mip: Mip, seconds: float) -> bool:
@@ -523,34 +561,9 @@ def _caps_refuted(lp: Any, mip: Mip, seconds: float) -> bool:
 CAP_SLACK = 1e-9
 
 
-def _caps_met(highs: Any, mip: Mip, values: list[float], bound: float) -> bool | None:
-    """Whether the relaxation's optimum ``values`` meets every cap of ``mip`` (True), or
-    some cap is met by no point of the relaxation (False: the MIP has no plan); None when
-    neither. ``highs`` holds the relaxation solved, without the caps; a cap other than the
-    objective's own is refuted by minimising its sum there (from the optimal basis: the
-    primal simplex goes on from a feasible point)."""
-    objective = {c: v for c, v in mip.objective.terms.items() if v}
-    unmet = [
-        (upper, terms)
-        for upper, terms in mip.caps
-        if _at(terms, values) > upper + CAP_SLACK * abs(upper)
-    ]
-    for upper, terms in unmet:
-        if terms == objective:
-            least = bound - mip.objective.constant
-        else:
-            costs = np.zeros(mip.num_columns)
-            costs[np.fromiter(terms.keys(), np.int64, len(terms))] = list(terms.values())
-            every = np.arange(mip.num_columns, dtype=np.int32)
-            highs.changeColsCost(mip.num_columns, every, costs)
-            with quiet_stdout():
-                highs.run()
-            if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-                return None
-            least = _at(terms, list(highs.getSolution().col_value))
-        if least > upper + CAP_SLACK * abs(upper):
-            return False
-    return None if unmet else True
+def _beyond(upper: float) -> float:
+    """The value past which a cap ``<= upper`` is not met (``CAP_SLACK``)."""
+    return upper + CAP_SLACK * abs(upper)
 
 
 def _at(terms: dict[int, float], values: list[float]) -> float:

@@ -140,11 +140,12 @@ def test_caps_are_rows_of_the_mip():
     assert model.all_rows()[-1] == (-math.inf, 1.0, model.objective.terms)
 
 
-@pytest.fixture(params=["with the caps first", "without them"])
+@pytest.fixture(params=["with time for the caps as rows", "without it"])
 def capped_seconds(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each cap test both ways: the relaxation with the caps as rows tried first, and
-    (no time for it) the relaxation without them, checked after: the same answers."""
-    if request.param == "without them":
+    """Each cap test both ways: with time for the relaxation with the caps as rows (tried
+    where two caps together may be refuted) and without: the same answers where each cap
+    is refuted, or met, on its own."""
+    if request.param == "without it":
         monkeypatch.setattr(autopar_passes.mip, "CAPPED_SECONDS", 0.0)
 
 
@@ -194,18 +195,49 @@ def test_a_cap_the_relaxation_misses_but_could_meet_is_left_to_the_mip(capped_se
     assert solved.objective == pytest.approx(11.0) and solved.value(picks[0]) == 1.0
 
 
-def test_a_cap_the_relaxation_refutes_with_it_as_a_row_needs_no_relaxation_without(
+def test_a_cap_refuted_on_its_own_needs_neither_the_relaxation_nor_the_caps_as_rows(
     monkeypatch: pytest.MonkeyPatch,
 ):
     model, work, _ = _work_and_penalty()
     model.cap(work, 0.5)
+    solved: list[float] = []
+    run = autopar_passes.mip._highs
+
+    def counted(lp: object, time_limit: float, options: dict[str, object]) -> object:
+        solved.append(time_limit)
+        return run(lp, time_limit, options)
 
     def unused(*args: object) -> None:
-        raise AssertionError("the relaxation without the caps was solved")
+        raise AssertionError("the relaxation with the caps as rows was solved")
 
-    monkeypatch.setattr(autopar_passes.mip, "_caps_met", unused)
+    monkeypatch.setattr(autopar_passes.mip, "_highs", counted)
+    monkeypatch.setattr(autopar_passes.mip, "_caps_refuted", unused)
     rounded = solve_rounded(model, time_limit=10.0)
     assert rounded is not None and rounded.infeasible
+    assert len(solved) == 1  # the cap's least, and nothing after it
+
+
+def _one_of_three_under_two_caps() -> tuple[Mip, list[Lin]]:
+    """One of three choices, the first the cheapest; caps ``a <= 0`` and ``b + c <= 0``:
+    each alone is met (by ``b``, by ``a``), the two together by none."""
+    model, (picks,) = _one_of_each([[0.5, 1.0, 1.0]])
+    model.cap(picks[0], 0.0)
+    model.cap(Lin.total(picks[1:]), 0.0)
+    return model, picks
+
+
+def test_two_caps_met_each_alone_but_not_together_are_refuted_as_rows():
+    model, _ = _one_of_three_under_two_caps()
+    rounded = solve_rounded(model, time_limit=10.0)
+    assert rounded is not None and rounded.infeasible
+    assert model.solve(time_limit=10.0).infeasible
+
+
+def test_two_caps_the_rows_have_no_time_for_are_left_to_the_mip(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(autopar_passes.mip, "CAPPED_SECONDS", 0.0)
+    model, _ = _one_of_three_under_two_caps()
+    assert solve_rounded(model, time_limit=10.0) is None
+    assert model.solve(time_limit=10.0).infeasible
 
 
 def _knapsack_of(items: int) -> Mip:
