@@ -47,9 +47,10 @@ Constraints::
     s[d,k] = 0 for k not in allowed[d]               (forced strategies and hints)
     objective <= cutoff                              (optional: "beat this or say so",
         which the solver proves fast; ``autopar_passes.solve`` chains ZeRO stages with it)
-    objective - P t <= work cutoff                     (optional: the same on compute and
-        resharding alone, which a pipeline of the plan's stages cannot hide; the
-        pipeline search's bound, ``autopar_passes.pipeline.search``)
+    objective - P t - (1 - 1/b) sum s.once <= work cutoff   (optional: the same on
+        compute and resharding alone, which a pipeline of the plan's stages cannot hide,
+        with the per-step part ``once`` weighed as a pipeline runs it, outside the
+        bubble ``b``; the pipeline search's bound: ``WorkCutoff``)
 
 HiGHS solves it (``autopar_passes.mip``: the model as arrays, given to highspy whole); CBC,
 through PuLP, is the fallback. The status, time,
@@ -252,12 +253,36 @@ class IlpProblem:
     transient: list[dict[str, list[float]]] = field(default_factory=list)
     group_calls: list[GroupCall] = field(default_factory=list)
     prefetch: list[PrefetchLink] = field(default_factory=list)
+    # the part of ``cost`` a step pays once, not per microbatch (the step's collectives,
+    # the optimizer, offload traffic): a pipeline runs it after its schedule (``WorkCutoff``)
+    once: dict[str, list[float]] = field(default_factory=dict)
     buckets: int = 1  # gradient-sync buckets (layers): see the exposed-communication rows
     sync_passes: int = 1  # how often a step runs the overlappable sync (P in the objective)
     overlap: float = 1.0  # the share of hideable communication compute hides (f)
     # a lower bound instead: the backward hides all overlappable communication (the
     # exposed-communication rows dropped; whatever the ZeRO stage, that part costs >= 0)
     hide_all: bool = False
+
+
+@dataclass(frozen=True)
+class WorkCutoff:
+    """Only plans whose work a pipeline could run faster than a plan in hand: the pipeline
+    search's bound (``autopar_passes.pipeline.search``). A pipeline stretches the work a
+    step runs per microbatch ``W_mb`` by its bubble (at least ``stretch``) and runs the
+    per-step part ``W_once`` (``IlpProblem.once``) once after its schedule, so a plan
+    whose work spread over the stages beats ``best`` only if::
+
+        stretch W_mb + W_once <= p best   <=>   W_mb + W_once / stretch <= seconds
+
+    with ``seconds = p best / stretch`` (``W_mb + W_once``: the objective less the exposed
+    communication ``P t``). ``stretch`` 1: the whole work at most ``seconds``."""
+
+    seconds: float
+    stretch: float = 1.0
+
+    def once_weight(self) -> float:
+        """How much less than the rest the per-step part weighs in the cap."""
+        return 1.0 - 1.0 / self.stretch
 
 
 @dataclass
@@ -297,6 +322,7 @@ def dominates(better: IlpProblem, worse: IlpProblem) -> bool:
         and better.recompute == worse.recompute
         and better.recompute_budgets == worse.recompute_budgets
         and better.transient == worse.transient
+        and better.once == worse.once
         and no_larger(better.overlappable, worse.overlappable)
         and no_larger(better.memory, worse.memory)
     )
@@ -374,11 +400,12 @@ def solve_ilp(
     time_limit: float = 60.0,
     backend: str = "highs",
     cutoff: float | None = None,
-    work_cutoff: float | None = None,
+    work_cutoff: WorkCutoff | None = None,
 ) -> IlpSolution:
     """Build and solve the ILP; ``feasible`` is False when no choice fits (or, with
     ``cutoff``, none is faster than it: the solver prunes by it and proves that quickly;
-    ``work_cutoff`` bounds the objective less the exposed communication ``t``).
+    ``work_cutoff`` bounds the objective less the exposed communication ``t``:
+    ``WorkCutoff``).
 
     Where a memory limit or a cutoff may leave no plan, the relaxation without edge
     variables (``autopar_passes.ilp_relax``) is solved first: when it has no plan, neither
@@ -423,7 +450,7 @@ def _solve(
     time_limit: float,
     backend: str,
     cutoff: float | None,
-    work_cutoff: float | None,
+    work_cutoff: WorkCutoff | None,
     any_plan: bool = False,
 ) -> IlpSolution:
     """``solve_ilp`` on ``problem`` itself; ``any_plan``: only whether it has a plan (the
@@ -523,7 +550,9 @@ def _solve(
     if cutoff is not None:
         model.cap(objective, cutoff)
     if work_cutoff is not None:
-        model.cap(objective.minus(exposed.scaled(problem.sync_passes)), work_cutoff)
+        work = objective.minus(exposed.scaled(problem.sync_passes))
+        once = _per_choice(select, problem.once, scale=work_cutoff.once_weight())
+        model.cap(work.minus(once), work_cutoff.seconds)
 
     beat_this = cutoff is not None or work_cutoff is not None
     limit = replace(WorkLimit.of(time_limit, beat_this), any_plan=any_plan)

@@ -222,6 +222,15 @@ def build_problem(
                 strict=True,
             )
         ]
+        problem.once[name] = [
+            after + optimizer + host
+            for after, optimizer, host in zip(
+                parts.after_step[name],
+                parts.optimizer_step[name],
+                parts.offload_step[name],
+                strict=True,
+            )
+        ]
         problem.overlappable[name] = list(parts.sync[name])
         # offloaded activations (and the resharded copies consumers keep) leave the device
         on_device = 0.0 if offloads_activations else 1.0

@@ -34,6 +34,7 @@ from autopar_passes.ilp import (
     CLOCK_FACTOR,
     WORK_LIMIT,
     IlpProblem,
+    WorkCutoff,
     cannot_beat,
     dominates,
     solve_ilp,
@@ -102,7 +103,7 @@ class SolveRequest:
     # only plans whose compute and resharding (the objective less exposed communication)
     # stay within this are wanted: the caller holds a plan that any other beats only so
     # (the pipeline search's bound); none found raises ``NothingFaster``
-    work_cutoff: float | None = None
+    work_cutoff: WorkCutoff | None = None
     # what autograd keeps under a mixed precision's autocast (``autocast_saved``), when the
     # caller found it already (the pipeline search: once per trace); None: found here
     autocast_saved: AutocastSaved | None = None

@@ -45,7 +45,7 @@ from autopar_cost_model.step import exposed_gradient_sync, mfu
 from autopar_passes.annotation import META_KEY
 from autopar_passes.collector import collector_paused
 from autopar_passes.costs import compute_dtype_of
-from autopar_passes.ilp import solve_ilp
+from autopar_passes.ilp import WorkCutoff, solve_ilp
 from autopar_passes.ledger import step_ledger, with_ledger
 from autopar_passes.mixed_precision import AutocastSaved, autocast_dtypes, autocast_saved
 from autopar_passes.offload_ledger import stage_host
@@ -220,24 +220,24 @@ def plan_pipeline(traced: TracedModel, request: PipelineRequest) -> Plan:
             if (fits and not small) or (not fits and limit is None):
                 continue
             work = _least_work(solved, mesh, p, request.solve.time_limit)
-            bound = work * _bubble_factor(p, list(source.sizes), layers, request) / p
+            bound = work.step(_bubble_factor(p, list(source.sizes), layers, request), p)
             if not fits:
                 pending.append((bound, p, source))
             if small:
                 # the least work per sequence is no less at a smaller microbatch (the
                 # roofline scales with the batch at best, and fewer layouts divide it)
-                bound = work * _bubble_factor(p, list(small), layers, request) / p
+                bound = work.step(_bubble_factor(p, list(small), layers, request), p)
                 pending.append((bound, p, small))
     for bound, p, entry in sorted(pending, key=lambda e: (e[0], e[1])):
         best = search.best()
         if bound > best:
             continue
         # a plan on a stage's mesh beats the best in hand only if its work, spread over
-        # the stages with the least bubble, does (``_least_work``)
+        # the stages with the least bubble stretching its per-microbatch part, does
+        # (``WorkCutoff``)
         sizes = list(entry.sizes if isinstance(entry, Source) else entry)
-        cutoff = (
-            tie(best * p / _bubble_factor(p, sizes, layers, request)) if search.candidates else None
-        )
+        stretch = _bubble_factor(p, sizes, layers, request)
+        cutoff = WorkCutoff(tie(best * p / stretch), stretch) if search.candidates else None
         what = (
             "layouts under the memory limit"
             if isinstance(entry, Source)
@@ -307,18 +307,36 @@ def _stage_budgets(
     return [(budget, in_flight), (0.75 * budget, in_flight)]
 
 
-def _least_work(solved: Solved, mesh: MeshSpec, p: int, time_limit: float) -> float:
+@dataclass(frozen=True)
+class _Work:
+    """The least work (compute and resharding) a step of any plan on a stage's mesh runs,
+    and the most of a plan's work the step pays once (``IlpProblem.once``)."""
+
+    least: float
+    once: float
+
+    def step(self, stretch: float, p: int) -> float:
+        """A lower bound on the step of ``p`` stages whose bubble stretches the work run
+        per microbatch at least ``stretch`` times (``WorkCutoff``): each plan's ``stretch
+        W_mb + W_once`` is at least ``stretch (W_mb + W_once) - (stretch - 1) W_once``, and
+        at least its whole work, spread over the stages."""
+        return max(stretch * self.least - (stretch - 1) * self.once, self.least) / p
+
+
+def _least_work(solved: Solved, mesh: MeshSpec, p: int, time_limit: float) -> _Work:
     """The least compute and resharding per step of any plan on a stage's mesh: with no
     memory limit (so no ZeRO or recomputation) and all overlappable communication hidden
     (``IlpProblem.hide_all``), FSDP's prefetched gathers as far as compute hides any
     (no ``PrefetchLink``: the layer costs hide them behind the compute a configuration
     runs, which may exceed the least the links assume). A smaller microbatch costs
     proportionally (the search's scaling), so this is the same at every microbatch size.
+    The per-step part: each decision's largest over its allowed choices. Both are the
+    problem's the fastest plan was solved in (its ZeRO stage).
     """
     if len(group_axes(_stage_mesh(mesh, p))) > 1:
         # solved on the best of several groupings of the axes: a bound from one grouping's
         # problem says nothing of the others' (a mesh of three axes or more)
-        return 0.0
+        return _Work(0.0, 0.0)
     problem = replace(
         solved.parts.problem,
         memory_limit=None,
@@ -328,7 +346,12 @@ def _least_work(solved: Solved, mesh: MeshSpec, p: int, time_limit: float) -> fl
         prefetch=[],
     )
     relaxed = solve_ilp(problem, time_limit)
-    return (relaxed.report.objective or 0.0) if relaxed.feasible else 0.0
+    least = (relaxed.report.objective or 0.0) if relaxed.feasible else 0.0
+    once = sum(
+        max((row[k] for k in problem.allowed.get(d, range(len(row)))), default=0.0)
+        for d, row in problem.once.items()
+    )
+    return _Work(least, once)
 
 
 def _compute_floor(traced: TracedModel, request: PipelineRequest) -> float:
@@ -423,7 +446,7 @@ class _Search:
         memory: float | None,
         source: Source,
         in_flight: float = 1.0,
-        work_cutoff: float | None = None,
+        work_cutoff: WorkCutoff | None = None,
     ) -> Solved | None:
         """The intra-op plan of ``source`` on one stage's mesh: the fastest (``memory``
         None), else the fastest within ``memory`` for ``in_flight`` of the smallest

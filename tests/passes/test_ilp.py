@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from autopar_passes import ilp
-from autopar_passes.ilp import GIB, IlpProblem, WorkLimit, solve_ilp
+from autopar_passes.ilp import GIB, IlpProblem, WorkCutoff, WorkLimit, solve_ilp
 from autopar_passes.mip import MipResult, solve_or_refute
 
 
@@ -50,6 +50,11 @@ def _random_problem(decisions: int = 40, choices: int = 3) -> IlpProblem:
     )
 
 
+def _cut(kind: str, seconds: float) -> dict[str, float | WorkCutoff]:
+    """``solve_ilp``'s keyword for a cutoff of ``kind`` at ``seconds``."""
+    return {"cutoff": seconds} if kind == "cutoff" else {"work_cutoff": WorkCutoff(seconds)}
+
+
 @pytest.mark.parametrize("cutoff", ["cutoff", "work_cutoff"])
 def test_a_solve_that_gave_up_has_no_plan(monkeypatch: pytest.MonkeyPatch, cutoff: str) -> None:
     """HiGHS reports an interrupted solve as feasible even without a solution (PuLP maps
@@ -68,7 +73,7 @@ def test_a_solve_that_gave_up_has_no_plan(monkeypatch: pytest.MonkeyPatch, cutof
     monkeypatch.setattr(WorkLimit, "__call__", spy)
     monkeypatch.setattr(ilp, "CHECKS_PER_SECOND", 0.0)  # give up at once
     bound = best.report.objective * 2  # loose: a plan under it exists
-    gave_up = solve_ilp(problem, **{cutoff: bound})
+    gave_up = solve_ilp(problem, **_cut(cutoff, bound))
     assert fired, "the solve found its plan before the first interrupt check"
     assert not gave_up.feasible and gave_up.timed_out and not gave_up.choice
     assert gave_up.report.status.startswith("gave up")
@@ -120,7 +125,7 @@ def test_a_solve_under_a_cutoff_is_a_search_with_a_proof_beside_it(
 
     monkeypatch.setattr(ilp, "solve_or_refute", spy)
     monkeypatch.setattr(ilp, "solve_rounded", lambda mip, time_limit: None)
-    found = solve_ilp(problem, **{cutoff: best.report.objective * 1.5})
+    found = solve_ilp(problem, **_cut(cutoff, best.report.objective * 1.5))
     assert runs == [ilp.SEARCH]
     assert found.feasible and found.report.objective == pytest.approx(best.report.objective)
     assert found.report.status == "optimal"
@@ -153,7 +158,7 @@ def test_a_plan_the_rounding_finds_under_a_cutoff_leaves_the_search_alone(
 
     monkeypatch.setattr(ilp.Mip, "solve", spy)
     monkeypatch.setattr(ilp, "solve_rounded", spy_rounded)
-    found = solve_ilp(problem, **{cutoff: best.report.objective * 1.5})
+    found = solve_ilp(problem, **_cut(cutoff, best.report.objective * 1.5))
     (plan,) = rounded
     assert plan is not None and plan.has_solution and plan.status != "optimal"
     assert runs == [ilp.SEARCH]

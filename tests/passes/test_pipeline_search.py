@@ -168,10 +168,10 @@ def test_no_stage_count_is_pruned_by_one_grouping_of_a_three_axis_mesh():
     """The lower bound that lets the search skip a stage count is read off the fastest
     plan's ILP; on a mesh of three axes that plan is the best of several groupings of the
     axes, and one grouping's bound says nothing of the others': no bound (0) there."""
-    from autopar_passes.pipeline.search import _least_work
+    from autopar_passes.pipeline.search import _least_work, _Work
 
     mesh = autopar.Mesh((4, 4, 2), ("node", "gpu", "gpu_in"), device="h100-sxm")
-    assert _least_work(None, mesh, 2, 60.0) == 0.0  # type: ignore[arg-type]
+    assert _least_work(None, mesh, 2, 60.0) == _Work(0.0, 0.0)  # type: ignore[arg-type]
 
 
 def test_nothing_fitting_is_told_at_the_users_limit_on_the_whole_mesh():
@@ -241,9 +241,22 @@ def test_the_bound_that_prunes_a_stage_count_is_below_every_configuration_it_sta
         # interleaving needs two chunks of layers per stage: four layers on two stages only
         interleaved = {"interleaved"} if p == 2 else set()
         assert {c.schedule for c in costed} == {"gpipe", "1f1b", *interleaved}
-        bound = _least_work(solved, mesh, p, 60.0) * _bubble_factor(p, sizes, 4, request) / p
+        bound = _least_work(solved, mesh, p, 60.0).step(_bubble_factor(p, sizes, 4, request), p)
         assert bound > 0
         assert all(c.step_time_s >= bound * (1 - 1e-9) for c in costed)
+
+
+def test_the_bound_stretches_only_the_work_run_per_microbatch():
+    """A plan of 10 s of work, 4 s of it once a step (the optimizer, ZeRO's gathers after
+    it), on two stages whose bubble stretches the rest twice: ``(2 x 6 + 4) / 2 = 8 s`` at
+    least, not the whole work stretched (10 s), which would prune a stage count that such
+    a plan could win. With nothing run once, the whole work is stretched."""
+    from autopar_passes.pipeline.search import _Work
+
+    assert _Work(least=10.0, once=4.0).step(2.0, 2) == 8.0
+    assert _Work(least=10.0, once=0.0).step(2.0, 2) == 10.0
+    # never below the work spread over the stages, however much of it runs once
+    assert _Work(least=10.0, once=30.0).step(2.0, 2) == 5.0
 
 
 def test_the_bubble_factor_takes_the_most_microbatches_and_chunks_allowed():

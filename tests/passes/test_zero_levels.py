@@ -16,7 +16,7 @@ import pytest
 import autopar
 from autopar.force import style_constraints
 from autopar_examples.models import build
-from autopar_passes.ilp import GIB, IlpProblem, cannot_beat, dominates, solve_ilp
+from autopar_passes.ilp import GIB, IlpProblem, WorkCutoff, cannot_beat, dominates, solve_ilp
 from autopar_passes.problem import ProblemParts
 from autopar_passes.solve import (
     Built,
@@ -356,10 +356,24 @@ def test_a_work_cutoff_bounds_compute_and_resharding_not_the_exposed_communicati
     left (slower in all, less work), and under 3.4 s nothing that fits."""
     problem = replace(two_decisions(), overlappable={"a": [0.0, 1.0]})
     assert solve_ilp(problem).choice == {"a": 0, "b": 0}
-    cut = solve_ilp(problem, work_cutoff=3.6)
+    cut = solve_ilp(problem, work_cutoff=WorkCutoff(3.6))
     assert cut.choice == {"a": 1, "b": 1}
     assert cut.report.objective == pytest.approx(4.5, abs=GAP)
-    assert not solve_ilp(problem, work_cutoff=3.4).feasible
+    assert not solve_ilp(problem, work_cutoff=WorkCutoff(3.4)).feasible
+
+
+def test_a_work_cutoff_stretches_the_work_per_microbatch_not_the_steps_once():
+    """A pipeline's bubble stretches what a step runs per microbatch, not what it runs once
+    after the schedule (the optimizer, ZeRO's gathers after the step): with ``b``'s first
+    choice 1 s a step of work per microbatch and 2 s once, a stretch of 2 and room for
+    6.4 s of stretched work (``p best``) leave (0, 0) (2 x 2 + 2 = 6 s; 4.0 s in all),
+    where the whole work stretched (8 s) would leave nothing; (1, 1), the optimum under
+    the memory limit, stretches to 7 s."""
+    problem = replace(two_decisions(), once={"a": [0.0, 0.0], "b": [2.0, 0.0]})
+    stretched = solve_ilp(problem, work_cutoff=WorkCutoff(6.4 / 2, stretch=2.0))
+    assert stretched.choice == {"a": 0, "b": 0}
+    assert stretched.report.objective == pytest.approx(4.0, abs=GAP)
+    assert not solve_ilp(problem, work_cutoff=WorkCutoff(6.4 / 2)).feasible
 
 
 def test_a_work_cutoff_nothing_meets_says_nothing_faster():
@@ -370,7 +384,7 @@ def test_a_work_cutoff_nothing_meets_says_nothing_faster():
     model, inputs = build("mlp-tiny")
     traced = trace(model, inputs)
     mesh = autopar.Mesh((2,), device="cpu")
-    request = SolveRequest(mesh, work_cutoff=1e-12)
+    request = SolveRequest(mesh, work_cutoff=WorkCutoff(1e-12))
     with pytest.raises(NothingFaster):
         solve_sharding(traced, request)
     # the same request with room finds the fastest plan
