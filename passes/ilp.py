@@ -551,8 +551,9 @@ def _solve(
         model.cap(objective, cutoff)
     if work_cutoff is not None:
         work = objective.minus(exposed.scaled(problem.sync_passes))
-        once = _per_choice(select, problem.once, scale=work_cutoff.once_weight())
-        model.cap(work.minus(once), work_cutoff.seconds)
+        if work_cutoff.once_weight():
+            work = work.minus(_per_choice(select, problem.once, scale=work_cutoff.once_weight()))
+        model.cap(work, work_cutoff.seconds)
 
     beat_this = cutoff is not None or work_cutoff is not None
     limit = replace(WorkLimit.of(time_limit, beat_this), any_plan=any_plan)

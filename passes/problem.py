@@ -208,29 +208,23 @@ def build_problem(
         fwd, bwd = parts.compute_fwd[name], parts.compute_bwd[name]
         problem.hidden_by[name] = list(bwd)
         hideable = parts.self_prefetchable.get(name, [0.0] * len(fwd))
-        problem.cost[name] = [
-            microbatches * (f + b + e - overlap * h + host_mb) + after + optimizer + host
-            for f, b, e, h, after, optimizer, host, host_mb in zip(
-                fwd,
-                bwd,
-                parts.self_edge[name],
-                hideable,
-                parts.after_step[name],
-                parts.optimizer_step[name],
-                parts.offload_step[name],
-                parts.offload_microbatch[name],
-                strict=True,
+        cost_row, once_row = [], []
+        for f, b, e, h, after, optimizer, host, host_mb in zip(
+            fwd,
+            bwd,
+            parts.self_edge[name],
+            hideable,
+            parts.after_step[name],
+            parts.optimizer_step[name],
+            parts.offload_step[name],
+            parts.offload_microbatch[name],
+            strict=True,
+        ):
+            cost_row.append(
+                microbatches * (f + b + e - overlap * h + host_mb) + after + optimizer + host
             )
-        ]
-        problem.once[name] = [
-            after + optimizer + host
-            for after, optimizer, host in zip(
-                parts.after_step[name],
-                parts.optimizer_step[name],
-                parts.offload_step[name],
-                strict=True,
-            )
-        ]
+            once_row.append(after + optimizer + host)
+        problem.cost[name], problem.once[name] = cost_row, once_row
         problem.overlappable[name] = list(parts.sync[name])
         # offloaded activations (and the resharded copies consumers keep) leave the device
         on_device = 0.0 if offloads_activations else 1.0
